@@ -1,0 +1,217 @@
+"""Configuration schema: every knob with its default, and validation.
+
+A config file under ``experiments/configs/`` defines ``get_config()`` that starts from
+:func:`default_config` and changes values. The returned ``ConfigDict`` is locked, so setting a key
+that the schema does not have raises, and :func:`validate` rejects unknown keys, wrong types and
+inconsistent values with a message that names the key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+def default_config() -> ConfigDict:
+    """The full schema with the defaults of the tiny K3 model (trains on a CPU in minutes)."""
+    c = ConfigDict()
+    c.name = "k3_tiny"
+    c.seed = 0
+    c.steps = 300  # optimizer steps
+
+    m = c.model = ConfigDict()
+    m.style = "k3"  # 'k3' or 'k2': documentation only, the knobs below decide
+    m.vocab_size = 2048
+    m.d_model = 128
+    m.n_layers = 8
+    m.mixer = "hybrid"  # 'hybrid': KDA except MLA where (l+1) % mla_period == 0 or l is last; 'mla'
+    m.mla_period = 4
+    m.first_k_dense = 0  # K3 has 1; 0 lets the tiny model scan all its layers (half the compile time)
+    m.dense_ffn_dim = 384
+    m.activation = "situ"  # 'situ' (SiTU-GLU) or 'swiglu'
+    m.situ_beta_gate = 4.0
+    m.situ_beta_up = 25.0
+    m.residual = "attn_res"  # 'attn_res' (Block Attention Residuals) or 'plain'
+    m.attn_res_block_size = 4
+    m.norm_eps = 1e-5
+    m.init_std = 0.02
+    m.dtype = "float32"  # compute dtype of activations and matmuls
+    m.param_dtype = "float32"
+    m.remat = False  # rematerialise each scanned layer group in the backward pass
+    m.scan_layers = True
+
+    a = m.mla = ConfigDict()
+    a.n_heads = 4
+    a.q_lora_rank = 64
+    a.kv_lora_rank = 32
+    a.qk_nope_dim = 32
+    a.qk_rope_dim = 16
+    a.v_head_dim = 32
+    a.use_rope = False  # K2: decoupled RoPE on the qk_rope_dim part; K3: NoPE
+    a.rope_theta = 50000.0
+    a.output_gate = True  # K3: sigmoid full-rank output gate
+    a.norm_eps = 1e-6  # q_a / kv_a norms
+
+    k = m.kda = ConfigDict()
+    k.n_heads = 4
+    k.head_dim = 32
+    k.conv_size = 4
+    k.gate = "bounded"  # 'bounded': lower_bound*sigmoid(exp(A_log)*z); 'softplus': -exp(A_log)*softplus(z)
+    k.gate_lower_bound = -5.0
+    k.chunk_size = 16
+    k.impl = "chunk"  # 'chunk' (jnp chunked reference), 'recurrent' (token scan), 'pallas'
+
+    e = m.moe = ConfigDict()
+    e.n_experts = 8
+    e.top_k = 2
+    e.expert_dim = 64
+    e.latent_dim = 64  # 0: experts at full width (K2); >0: LatentMoE (K3)
+    e.shared_dim = 128  # width of the (single, merged) shared-expert MLP; 0 for none
+    e.routed_scaling = 1.0
+    e.balancing = "quantile_hist"  # 'quantile_hist', 'quantile', 'sign' or 'none'
+    e.sign_rate = 1e-3
+    e.hist_bins = 1000
+
+    o = c.optim = ConfigDict()
+    o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
+    o.lr = 3e-3
+    o.adam_lr = 3e-3
+    o.schedule = "cosine"  # 'cosine' (warmup + cosine) or 'wsd' (warmup, stable, 1-sqrt cooldown)
+    o.warmup_frac = 0.01
+    o.warmup_steps = -1  # >= 0 overrides warmup_frac
+    o.decay_frac = 0.2  # WSD cooldown fraction
+    o.min_lr_ratio = 0.1
+    o.weight_decay = 0.1
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.momentum = 0.95
+    o.clip_norm = 1.0
+    o.grad_accum = 1
+    o.qk_clip = False
+    o.qk_clip_tau = 100.0
+    o.per_head_muon = False
+
+    d = c.data = ConfigDict()
+    d.source = "stdlib"  # 'stdlib' (embedded default corpus), 'text_dir', 'jsonl', 'tokens'
+    d.path = ""
+    d.text_field = "text"
+    d.tokens_dtype = "uint16"
+    d.tokenizer = "bpe"  # 'bpe' (trained locally, cached) or 'byte'
+    d.tokenizer_path = ""  # '' = cache under the workdir
+    d.seq_len = 128
+    d.batch_size = 8
+    d.val_fraction = 0.02
+    d.max_docs = 0  # 0 = all
+
+    t = c.train = ConfigDict()
+    t.log_every = 10
+    t.eval_every = 100
+    t.eval_batches = 8
+    t.ckpt_every = 100
+    t.keep_ckpts = 3
+    t.keep_period = 0  # keep every checkpoint whose step is a multiple of this (0 = none)
+    t.async_ckpt = True
+    t.peak_flops = 0.0  # device peak FLOP/s for MFU; 0 = look up from the device kind
+    t.progress = True
+    return c
+
+
+_CHOICES = {
+    "model.style": ("k3", "k2"),
+    "model.mixer": ("hybrid", "mla"),
+    "model.activation": ("situ", "swiglu"),
+    "model.residual": ("attn_res", "plain"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.kda.gate": ("bounded", "softplus"),
+    "model.kda.impl": ("chunk", "recurrent", "pallas"),
+    "model.moe.balancing": ("quantile_hist", "quantile", "sign", "none"),
+    "optim.name": ("muon", "adamw"),
+    "optim.schedule": ("cosine", "wsd"),
+    "data.source": ("stdlib", "text_dir", "jsonl", "tokens"),
+    "data.tokenizer": ("bpe", "byte"),
+    "data.tokens_dtype": ("uint16", "uint32"),
+}
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing, of the wrong type or inconsistent with others."""
+
+
+def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, val in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(val, (ConfigDict, dict)):
+            out.update(_flatten(val, name + "."))
+        else:
+            out[name] = val
+    return out
+
+
+def validate(cfg: ConfigDict) -> ConfigDict:
+    """Checks ``cfg`` against the schema; returns it, or raises :class:`ConfigError` naming the key."""
+    schema = _flatten(default_config())
+    given = _flatten(cfg)
+    unknown = sorted(set(given) - set(schema))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    missing = sorted(set(schema) - set(given))
+    if missing:
+        raise ConfigError(f"missing config key(s): {', '.join(missing)}")
+    for key, default in schema.items():
+        val = given[key]
+        if isinstance(default, bool):
+            ok = isinstance(val, bool)
+        elif isinstance(default, int):
+            ok = isinstance(val, int) and not isinstance(val, bool)
+        elif isinstance(default, float):
+            ok = isinstance(val, (int, float)) and not isinstance(val, bool)
+        else:
+            ok = isinstance(val, type(default))
+        if not ok:
+            raise ConfigError(f"config key {key} must be {type(default).__name__}, got {val!r}")
+        if key in _CHOICES and val not in _CHOICES[key]:
+            raise ConfigError(f"config key {key} must be one of {_CHOICES[key]}, got {val!r}")
+    m = cfg.model
+    positive = ["vocab_size", "d_model", "n_layers", "dense_ffn_dim", "mla_period", "attn_res_block_size"]
+    for key in positive:
+        if m[key] <= 0:
+            raise ConfigError(f"config key model.{key} must be > 0, got {m[key]}")
+    if not 0 <= m.first_k_dense <= m.n_layers:
+        raise ConfigError(f"model.first_k_dense must be in [0, n_layers], got {m.first_k_dense}")
+    if not -5.0 <= m.kda.gate_lower_bound < 0:
+        # Below -5 a 16-token tile's cumulative decay leaves the fp32 range the kernels rely on.
+        raise ConfigError(f"model.kda.gate_lower_bound must be in [-5, 0), got {m.kda.gate_lower_bound}")
+    if m.moe.top_k > m.moe.n_experts or m.moe.top_k <= 0:
+        raise ConfigError(f"model.moe.top_k must be in [1, n_experts], got {m.moe.top_k}")
+    if m.moe.balancing.startswith("quantile") and m.moe.top_k >= m.moe.n_experts:
+        raise ConfigError("model.moe quantile balancing routes top-(k+1): needs top_k < n_experts")
+    if m.mla.use_rope and m.mla.qk_rope_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_dim must be even for RoPE, got {m.mla.qk_rope_dim}")
+    if cfg.data.seq_len <= 0 or cfg.data.batch_size <= 0:
+        raise ConfigError("data.seq_len and data.batch_size must be > 0")
+    if cfg.optim.grad_accum <= 0 or cfg.data.batch_size % cfg.optim.grad_accum:
+        raise ConfigError("optim.grad_accum must be > 0 and divide data.batch_size")
+    if not math.isfinite(cfg.optim.lr) or cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be a positive number, got {cfg.optim.lr}")
+    return cfg
+
+
+def layer_kinds(m: ConfigDict) -> list[tuple[str, str]]:
+    """Per layer (0-indexed), the (mixer, ffn) kinds: mixer in {'kda','mla'}, ffn in {'dense','moe'}."""
+    kinds = []
+    for layer in range(m.n_layers):
+        if m.mixer == "mla":
+            mixer = "mla"
+        else:
+            is_mla = (layer + 1) % m.mla_period == 0 or layer == m.n_layers - 1
+            mixer = "mla" if is_mla else "kda"
+        ffn = "dense" if layer < m.first_k_dense else "moe"
+        kinds.append((mixer, ffn))
+    return kinds

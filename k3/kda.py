@@ -1,0 +1,118 @@
+"""Kimi Delta Attention layer (K3's linear-attention token mixer).
+
+q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x))     depthwise causal conv, width 4
+z    = W_fb W_fa x + dt_bias                                          low-rank decay path, per channel
+g    = lower_bound * sigmoid(exp(A_log[h]) * z)    (K3)   or   -exp(A_log[h]) * softplus(z)  (Kimi Linear)
+beta = sigmoid(W_b x)                                                  per head
+o    = W_o (sigmoid(W_g x) * RMSNorm_head(KDA(q, k, v, g, beta)))
+
+The delta-rule core goes through the single dispatch point `k3.ops.kda.kda_core`, so the Pallas
+kernel is selected by ``model.kda.impl``. Gate, beta and state math run in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3.nn import cast, normal, ones, param, rms_norm, zeros
+from k3.ops.kda import kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
+
+
+def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+    """Depthwise causal convolution: out_t = sum_i w[W-1-i] * x_{t-i}, never across documents.
+
+    x: [B, T, C]; w: [W, C] (w[W-1] multiplies the current token). Computed in fp32.
+    """
+    W = w_WC.shape[0]
+    x = x_BTC.astype(jnp.float32)
+    w = w_WC.astype(jnp.float32)
+    out = x * w[W - 1]
+    for i in range(1, W):
+        shifted = jnp.pad(x, ((0, 0), (i, 0), (0, 0)))[:, : x.shape[1]]
+        if segment_ids_BT is not None:
+            seg_shifted = jnp.pad(segment_ids_BT, ((0, 0), (i, 0)), constant_values=-1)[:, : x.shape[1]]
+            shifted = jnp.where((seg_shifted == segment_ids_BT)[..., None], shifted, 0.0)
+        out = out + shifted * w[W - 1 - i]
+    return out
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+    """Mamba-2 style: dt ~ logU(1e-3, 1e-1) floored at 1e-4, stored as softplus^-1(dt)."""
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+    dt = jnp.maximum(dt, 1e-4)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def _a_log_softplus_init(key, shape, dtype=jnp.float32):
+    """Kimi-Linear gate: A ~ U(1, 16), stored as log A."""
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+
+
+class KDA(nnx.Module):
+    """Kimi Delta Attention layer; see the module docstring. x: [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        k = cfg.kda
+        D, H, K = cfg.d_model, k.n_heads, k.head_dim
+        self.n_heads, self.head_dim, self.eps = H, K, cfg.norm_eps
+        self.gate_kind, self.lower_bound = k.gate, k.gate_lower_bound
+        self.impl, self.chunk_size = k.impl, k.chunk_size
+        self.dtype = jnp.dtype(cfg.dtype)
+        init = normal(cfg.init_std)
+        self.w_q = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
+        self.w_k = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
+        self.w_v = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
+        conv_init = normal(1.0 / math.sqrt(k.conv_size))
+        self.conv_q = param(rngs, conv_init, (k.conv_size, H, K), ("conv", "heads", "head_dim"))
+        self.conv_k = param(rngs, conv_init, (k.conv_size, H, K), ("conv", "heads", "head_dim"))
+        self.conv_v = param(rngs, conv_init, (k.conv_size, H, K), ("conv", "heads", "head_dim"))
+        self.w_fa = param(rngs, init, (D, K), ("embed", "decay_rank"))
+        self.w_fb = param(rngs, init, (K, H, K), ("decay_rank", "heads", "head_dim"))
+        self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
+        a_init = zeros if k.gate == "bounded" else _a_log_softplus_init
+        self.A_log = param(rngs, a_init, (H,), ("heads",))
+        self.w_beta = param(rngs, init, (D, H), ("embed", "heads"))
+        self.w_gate = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
+        self.o_norm = param(rngs, ones, (K,), ("head_dim",))
+        self.w_o = param(rngs, init, (H, K, D), ("heads", "head_dim", "embed"))
+
+    def _branch(self, x, w, conv, segment_ids):
+        y = jnp.einsum("btd,dhk->bthk", x, cast(w, self.dtype))
+        B, T, H, K = y.shape
+        y = causal_conv(y.reshape(B, T, H * K), conv[...].reshape(-1, H * K), segment_ids)
+        return jax.nn.silu(y).reshape(B, T, H, K)
+
+    def gates(self, x_BTD: jax.Array):
+        """Per-channel log decay g [B, T, H, K] and beta [B, T, H], both fp32."""
+        x = x_BTD.astype(self.dtype)
+        z = jnp.einsum("btd,dr->btr", x, cast(self.w_fa, self.dtype))
+        z = jnp.einsum("btr,rhk->bthk", z, cast(self.w_fb, self.dtype)).astype(jnp.float32)
+        z = z + self.dt_bias[...].astype(jnp.float32)
+        A_log = self.A_log[...].astype(jnp.float32)
+        if self.gate_kind == "bounded":
+            g = kda_gate_bounded(z, A_log, self.lower_bound)
+        else:
+            g = kda_gate_softplus(z, A_log)
+        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, cast(self.w_beta, self.dtype)).astype(jnp.float32))
+        return g, beta
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
+                 initial_state=None, return_state: bool = False):
+        x = x_BTD.astype(self.dtype)
+        q = l2_normalize(self._branch(x, self.w_q, self.conv_q, segment_ids_BT)).astype(self.dtype)
+        k = l2_normalize(self._branch(x, self.w_k, self.conv_k, segment_ids_BT)).astype(self.dtype)
+        v = self._branch(x, self.w_v, self.conv_v, segment_ids_BT).astype(self.dtype)
+        g, beta = self.gates(x)
+        o, state = kda_core(q, k, v, g, beta, impl=self.impl, initial_state=initial_state,
+                            output_final_state=return_state, segment_ids=segment_ids_BT,
+                            chunk_size=self.chunk_size)
+        o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
+        gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
+        o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
+        y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
+        return (y, state) if return_state else y

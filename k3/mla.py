@@ -1,0 +1,119 @@
+"""Multi-head Latent Attention (DeepSeek-V3 / K2) and Gated MLA (K3).
+
+q = W_qb RMSNorm(W_qa x)                               per head: [q_nope | q_rope]
+[c_kv | k_rope] = W_kva x; [k_nope | v] = W_kvb RMSNorm(c_kv)    k_rope shared by all heads
+o = W_o (sigmoid(W_g x) * softmax(q k^T * (nope + rope)^-0.5) v)   (gate only in K3)
+
+K2 rotates the rope parts with RoPE; K3 leaves them unrotated (NoPE). Attention runs through
+``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU, XLA elsewhere), causal and
+restricted to the query's own document when ``segment_ids`` are given.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3.nn import RMSNorm, cast, normal, param
+
+
+def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
+    """Position of each token inside its document: [B, T] int32, restarting at 0 per segment."""
+    T = segment_ids_BT.shape[1]
+    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BT[:, :1], bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - start_idx
+
+
+def apply_rope(x_BTHR: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding on the last axis (even width R), half-split convention, fp32 math."""
+    R = x_BTHR.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
+    angle = positions_BT[..., None].astype(jnp.float32) * inv_freq  # [B, T, R/2]
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+    x = x_BTHR.astype(jnp.float32)
+    x1, x2 = x[..., : R // 2], x[..., R // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHR.dtype)
+
+
+def attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
+    """Causal softmax attention within documents. q, k: [B,T,H,D]; v: [B,T,H,E] with E <= D.
+
+    ``jax.nn.dot_product_attention`` wants equal head dims, so v is zero-padded to D and the
+    output sliced back to E.
+    """
+    E, D = v_BTHE.shape[-1], q_BTHD.shape[-1]
+    v = jnp.pad(v_BTHE, ((0, 0), (0, 0), (0, 0), (0, D - E))) if E < D else v_BTHE
+    mask = None
+    if segment_ids_BT is not None:
+        mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
+    out = jax.nn.dot_product_attention(q_BTHD, k_BTHD, v, mask=mask, scale=scale, is_causal=True)
+    return out[..., :E]
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention layer; see the module docstring. x: [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        a = cfg.mla
+        D, H = cfg.d_model, a.n_heads
+        self.n_heads, self.nope, self.rope, self.v_dim = H, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
+        self.kv_lora = a.kv_lora_rank
+        self.use_rope, self.theta = a.use_rope, a.rope_theta
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.scale = (a.qk_nope_dim + a.qk_rope_dim) ** -0.5
+        init = normal(cfg.init_std)
+        qk = a.qk_nope_dim + a.qk_rope_dim
+        if a.q_lora_rank > 0:
+            self.q_a = param(rngs, init, (D, a.q_lora_rank), ("embed", "q_lora"))
+            self.q_norm = RMSNorm(a.q_lora_rank, a.norm_eps, rngs=rngs)
+            self.q_b = param(rngs, init, (a.q_lora_rank, H, qk), ("q_lora", "heads", "head_dim"))
+        else:
+            self.q_a, self.q_norm = None, None
+            self.q_b = param(rngs, init, (D, H, qk), ("embed", "heads", "head_dim"))
+        self.kv_a = param(rngs, init, (D, a.kv_lora_rank + a.qk_rope_dim), ("embed", "kv_lora"))
+        self.kv_norm = RMSNorm(a.kv_lora_rank, a.norm_eps, rngs=rngs)
+        self.kv_b = param(rngs, init, (a.kv_lora_rank, H, a.qk_nope_dim + a.v_head_dim),
+                          ("kv_lora", "heads", "head_dim"))
+        self.w_gate = (param(rngs, init, (D, H, a.v_head_dim), ("embed", "heads", "head_dim"))
+                       if a.output_gate else None)
+        self.w_o = param(rngs, init, (H, a.v_head_dim, D), ("heads", "head_dim", "embed"))
+
+    def project_qkv(self, x_BTD, positions_BT):
+        """q, k: [B, T, H, nope + rope]; v: [B, T, H, v_dim] (RoPE applied when configured)."""
+        dt = self.dtype
+        x = x_BTD.astype(dt)
+        if self.q_a is not None:
+            q = jnp.einsum("btd,dr->btr", x, cast(self.q_a, dt))
+            q = jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x, cast(self.q_b, dt))
+        kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
+        c_kv, k_rope = kv[..., : self.kv_lora], kv[..., self.kv_lora:]
+        kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), cast(self.kv_b, dt))
+        k_nope, v = kv_up[..., : self.nope], kv_up[..., self.nope:]
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        k_rope = k_rope[:, :, None, :]
+        if self.use_rope:
+            q_rope = apply_rope(q_rope, positions_BT, self.theta)
+            k_rope = apply_rope(k_rope, positions_BT, self.theta)
+        k_rope = jnp.broadcast_to(k_rope, q_rope.shape)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        return q, k, v
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
+                 positions_BT: jax.Array | None = None) -> jax.Array:
+        if positions_BT is None:
+            positions_BT = (segment_positions(segment_ids_BT) if segment_ids_BT is not None
+                            else jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2]))
+        q, k, v = self.project_qkv(x_BTD, positions_BT)
+        o = attention(q, k, v, segment_ids_BT, self.scale)
+        if self.w_gate is not None:
+            gate = jnp.einsum("btd,dhk->bthk", x_BTD.astype(self.dtype), cast(self.w_gate, self.dtype))
+            o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
+        return jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), cast(self.w_o, self.dtype))

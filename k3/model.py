@@ -1,0 +1,184 @@
+"""The language model: embedding -> decoder layers -> final norm -> untied LM head.
+
+Layer l has a token mixer (KDA or MLA) and an FFN (dense GLU for l < first_k_dense, MoE after),
+laid out by `k3.config.layer_kinds`. Layers that repeat with the mixer period (K3: KDA, KDA, KDA,
+MLA; K2: MLA) are stacked along a leading ``layers`` axis and run with ``jax.lax.scan``, so compile
+time does not grow with depth; the irregular head (dense layers) and tail (K3's extra final MLA)
+are unrolled. The residual stream (plain or Block AttnRes) is the scan carry.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3 import attn_res
+from k3.config import layer_kinds
+from k3.ffn import GLUMLP
+from k3.kda import KDA
+from k3.mla import MLA
+from k3.moe import MoE
+from k3.nn import RMSNorm, cast, normal, param
+
+
+class DecoderLayer(nnx.Module):
+    """One layer: [AttnRes mix] -> norm -> mixer -> add; [AttnRes mix] -> norm -> FFN -> add."""
+
+    def __init__(self, cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs):
+        self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.block_size = cfg.attn_res_block_size
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        if ffn == "dense":
+            self.ffn = GLUMLP(cfg.d_model, cfg.dense_ffn_dim, activation=cfg.activation,
+                              init_std=cfg.init_std, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
+                              beta_gate=cfg.situ_beta_gate, beta_up=cfg.situ_beta_up)
+        else:
+            self.ffn = MoE(cfg, rngs=rngs)
+        if cfg.residual == "attn_res":
+            self.attn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs)
+            self.ffn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        else:
+            self.attn_mix = self.ffn_mix = None
+
+    def __call__(self, stream: dict, layer_idx, segment_ids_BT):
+        """Returns the updated stream and the MoE routing statistics ({} for a dense FFN)."""
+        x = attn_res.read(stream, self.attn_mix)
+        a = self.mixer(self.attn_norm(x), segment_ids_BT)
+        stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)
+        x = attn_res.read(stream, self.ffn_mix)
+        if self.ffn_kind == "moe":
+            f, stats = self.ffn(self.ffn_norm(x))
+        else:
+            f, stats = self.ffn(self.ffn_norm(x)), {}
+        return attn_res.add_ffn(stream, f), stats
+
+
+AttnResMix = attn_res.AttnResMix
+
+
+class LayerGroup(nnx.Module):
+    """One period of consecutive layers (e.g. KDA, KDA, KDA, MLA), the unit that is scanned."""
+
+    def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs) for m, f in kinds])
+
+    def __call__(self, stream: dict, first_idx, segment_ids_BT):
+        stats = []
+        for i, layer in enumerate(self.layers):
+            stream, st = layer(stream, first_idx + i, segment_ids_BT)
+            stats.append(st)
+        return stream, stats
+
+
+def plan_layers(m) -> tuple[list[int], tuple[int, int, int], list[int]]:
+    """Splits layer indices into (unrolled head, (start, period, repeats) scanned body, unrolled tail)."""
+    kinds = layer_kinds(m)
+    L = len(kinds)
+    period = 1 if m.mixer == "mla" else m.mla_period
+    start = -(-m.first_k_dense // period) * period
+    repeats = 0
+    if m.scan_layers and start + period <= L:
+        pattern = kinds[start:start + period]
+        while (start + (repeats + 1) * period <= L
+               and kinds[start + repeats * period: start + (repeats + 1) * period] == pattern):
+            repeats += 1
+    if repeats < 2:  # nothing worth scanning
+        return list(range(L)), (0, period, 0), []
+    end = start + repeats * period
+    return list(range(start)), (start, period, repeats), list(range(end, L))
+
+
+class Model(nnx.Module):
+    """K2-style or K3-style decoder LM, built from a validated ``cfg.model`` ConfigDict."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        kinds = layer_kinds(cfg)
+        self.remat = cfg.remat
+        self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
+        self.n_slots = attn_res.n_bank_slots(cfg.n_layers, cfg.attn_res_block_size)
+        head, (start, period, repeats), tail = plan_layers(cfg)
+        self.head_idx, self.tail_idx = tuple(head), tuple(tail)
+        self.body_start, self.body_period, self.body_repeats = start, period, repeats
+        self.embed = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        self.head_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs) for i in head])
+        if repeats:
+            pattern = kinds[start:start + period]
+
+            @nnx.split_rngs(splits=repeats)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_body(r):
+                return LayerGroup(cfg, pattern, rngs=r)
+
+            self.body = make_body(rngs)
+        else:
+            self.body = None
+        self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs) for i in tail])
+        self.out_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs) if cfg.residual == "attn_res" else None
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def hidden(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
+        """Final-normed hidden states [B, T, D] for int tokens [B, T], and the routing statistics.
+
+        The statistics mirror the layer layout: {'head': [per layer], 'body': [per position in the
+        period, each stacked over repeats], 'tail': [per layer]}; a dense layer's entry is {}.
+        """
+        emb = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        stream = attn_res.init_stream(emb, self.residual, self.n_slots)
+        stats = {"head": [], "body": [], "tail": []}
+        for i, layer in zip(self.head_idx, self.head_layers):
+            stream, st = layer(stream, i, segment_ids_BT)
+            stats["head"].append(st)
+        if self.body is not None:
+            # Plain lax.scan over the stacked state: merging inside the step keeps every NNX
+            # object at the step's trace level, so this runs under jit, grad and remat alike.
+            graphdef, state = nnx.split(self.body)
+            period = self.body_period
+
+            def group_step(carry, state_r):
+                stream, first = carry
+                stream, stats = nnx.merge(graphdef, state_r)(stream, first, segment_ids_BT)
+                return (stream, first + period), stats
+
+            if self.remat:
+                group_step = jax.checkpoint(group_step)
+            (stream, _), stats["body"] = jax.lax.scan(
+                group_step, (stream, jnp.asarray(self.body_start, jnp.int32)), state)
+        for i, layer in zip(self.tail_idx, self.tail_layers):
+            stream, st = layer(stream, i, segment_ids_BT)
+            stats["tail"].append(st)
+        h = attn_res.read(stream, self.out_mix)
+        return self.final_norm(h), stats
+
+    def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
+        """Logits [B, T, V] (compute dtype) and aux outputs.
+
+        aux: 'expert_load' [n_moe_layers, E] fp32 token counts in layer order; 'moe_stats' the
+        per-layer routing statistics that `k3.moe.update_router_biases` consumes.
+        """
+        h, stats = self.hidden(tokens_BT, segment_ids_BT)
+        logits = jnp.einsum("btd,dv->btv", h, cast(self.lm_head, self.dtype))
+        return logits, {"expert_load": expert_loads(stats), "moe_stats": stats}
+
+
+def expert_loads(stats: dict) -> jax.Array:
+    """Per-expert token counts [n_moe_layers, E] in layer order, from the model's routing statistics."""
+    rows = [st["load"][None] for st in stats["head"] if st]
+    body = [st["load"] for st in stats["body"] if st]  # each [repeats, E]
+    if body:
+        rows.append(jnp.stack(body, axis=1).reshape(-1, body[0].shape[-1]))
+    rows += [st["load"][None] for st in stats["tail"] if st]
+    return jnp.concatenate(rows, axis=0) if rows else jnp.zeros((0, 0), jnp.float32)
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None):
+    """Mean next-token cross-entropy in nats over unmasked positions (fp32 log-softmax)."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+    if mask_BT is None:
+        return jnp.mean(nll)
+    mask = mask_BT.astype(jnp.float32)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -1,0 +1,159 @@
+"""Mixture of experts: sigmoid router with a selection-only bias, dropless grouped-matmul dispatch.
+
+s = sigmoid(W_r x) (fp32); idx = top_k(s + b); p_i = s_i / sum_idx s * routed_scaling
+K2 (plain MoE):   y = sum_i p_i E_i(x) + Shared(x)                     experts at full width D
+K3 (LatentMoE):   y = W_up RMSNorm(sum_i p_i E_i(W_down x)) + Shared(x)  experts at latent width
+
+The bias ``b`` is a non-trainable `RouterBias` variable: it only picks experts and is updated
+outside the optimizer from the routing statistics each call returns (see `update_router_biases`).
+Quantile balancing routes with top-(k+1) so the (k+1)-th biased score gives each token's threshold.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3 import balancing
+from k3.ffn import GLUMLP, glu_activation
+from k3.nn import RMSNorm, cast, normal, param
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias [E] (fp32), updated outside the optimizer."""
+
+
+def ragged_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+    """Dropless expert FFN: each token row through each of its k experts, sorted into groups.
+
+    x: [N, D]; idx: [N, k] expert ids; weights [E, D, F] / [E, F, D]. Returns [N, k, D] in x.dtype.
+    """
+    N, k = idx_Nk.shape
+    E = w_gate_EDF.shape[0]
+    flat_expert = idx_Nk.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = order // k
+    x_sorted = x_ND[token_of]
+    group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, w_up_EDF, group_sizes)
+    h = glu_activation(gate, up, activation, *betas)
+    out_sorted = jax.lax.ragged_dot(h, w_down_EFD, group_sizes)
+    # Gather back through the inverse permutation: cheaper to differentiate than a scatter.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return out_sorted[inverse].reshape(N, k, -1)
+
+
+def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+    """Test reference for `ragged_experts`: every token through every expert, then a one-hot pick."""
+    gate = jnp.einsum("nd,edf->nef", x_ND, w_gate_EDF)
+    up = jnp.einsum("nd,edf->nef", x_ND, w_up_EDF)
+    out = jnp.einsum("nef,efd->ned", glu_activation(gate, up, activation, *betas), w_down_EFD)
+    onehot = jax.nn.one_hot(idx_Nk, w_gate_EDF.shape[0], dtype=out.dtype)  # [N, k, E]
+    return jnp.einsum("nke,ned->nkd", onehot, out)
+
+
+class MoE(nnx.Module):
+    """Routed experts (+ optional latent projection) + shared experts. x: [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        e = cfg.moe
+        D, E = cfg.d_model, e.n_experts
+        self.n_experts, self.top_k, self.scaling = E, e.top_k, e.routed_scaling
+        self.balancing, self.hist_bins = e.balancing, e.hist_bins
+        self.activation, self.betas = cfg.activation, (cfg.situ_beta_gate, cfg.situ_beta_up)
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.dispatch = "ragged"
+        init = normal(cfg.init_std)
+        self.router = param(rngs, init, (D, E), ("embed", "experts"))
+        self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=("experts",))
+        width = e.latent_dim if e.latent_dim > 0 else D
+        if e.latent_dim > 0:
+            self.w_down_latent = param(rngs, init, (D, width), ("embed", "latent"))
+            self.latent_norm = RMSNorm(width, cfg.norm_eps, rngs=rngs)
+            self.w_up_latent = param(rngs, init, (width, D), ("latent", "embed"))
+        else:
+            self.w_down_latent = self.latent_norm = self.w_up_latent = None
+        self.w_gate = param(rngs, init, (E, width, e.expert_dim), ("experts", "expert_embed", "expert_mlp"))
+        self.w_up = param(rngs, init, (E, width, e.expert_dim), ("experts", "expert_embed", "expert_mlp"))
+        self.w_down = param(rngs, init, (E, e.expert_dim, width), ("experts", "expert_mlp", "expert_embed"))
+        self.shared = (GLUMLP(D, e.shared_dim, activation=cfg.activation, init_std=cfg.init_std,
+                              dtype=self.dtype, rngs=rngs, beta_gate=cfg.situ_beta_gate,
+                              beta_up=cfg.situ_beta_up) if e.shared_dim > 0 else None)
+
+    def route(self, x_ND: jax.Array):
+        """Router: (expert ids [N, k], combine weights [N, k] fp32, scores [N, E], alpha [N] or None)."""
+        scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ self.router[...].astype(jnp.float32))
+        extra = 1 if self.balancing.startswith("quantile") else 0
+        bias = jax.lax.stop_gradient(self.router_bias[...])
+        idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k, extra=extra)
+        picked = jnp.take_along_axis(scores, idx, axis=-1)
+        weights = picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * self.scaling
+        return idx, weights, scores, alpha
+
+    def __call__(self, x_BTD: jax.Array):
+        """y [B, T, D] and routing statistics {'load': [E] token counts, 'balance': see `stats`}."""
+        B, T, D = x_BTD.shape
+        x = x_BTD.reshape(B * T, D).astype(self.dtype)
+        idx, weights, scores, alpha = self.route(x)
+        stats = self.stats(idx, scores, alpha)
+        h = x
+        if self.w_down_latent is not None:
+            h = x @ cast(self.w_down_latent, self.dtype)
+        experts = ragged_experts if self.dispatch == "ragged" else dense_experts
+        out_NkL = experts(h, idx, cast(self.w_gate, self.dtype), cast(self.w_up, self.dtype),
+                          cast(self.w_down, self.dtype), self.activation, self.betas)
+        y = jnp.einsum("nkl,nk->nl", out_NkL.astype(jnp.float32), weights).astype(self.dtype)
+        if self.w_up_latent is not None:
+            y = self.latent_norm(y) @ cast(self.w_up_latent, self.dtype)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.reshape(B, T, D), stats
+
+    def stats(self, idx_Nk, scores_NE, alpha_N) -> dict:
+        """Statistics for the bias update: 'load' [E] always; 'balance' = the QB histogram
+        [E, bins] int32 ('quantile_hist', summable over micro-batches and devices) or the exact
+        QB bias [E] ('quantile')."""
+        scores = jax.lax.stop_gradient(scores_NE)
+        out = {"load": balancing.expert_load(idx_Nk, self.n_experts)}
+        if self.balancing == "quantile_hist":
+            out["balance"] = balancing.quantile_histogram(scores, alpha_N, self.router_bias[...], self.hist_bins)
+        elif self.balancing == "quantile":
+            out["balance"] = balancing.quantile_bias_exact(scores, alpha_N, self.top_k)
+        return out
+
+
+def new_bias(bias_E, stats: dict, moe_cfg, n_tokens) -> jax.Array:
+    """The next step's router bias for one MoE layer from its statistics (see `MoE.stats`)."""
+    kind = moe_cfg.balancing
+    if kind == "sign":
+        return balancing.sign_update(bias_E, stats["load"], moe_cfg.sign_rate)
+    if kind == "quantile":
+        return stats["balance"]
+    if kind == "quantile_hist":
+        return balancing.quantile_bias_from_histogram(stats["balance"], bias_E, n_tokens, moe_cfg.top_k)
+    return bias_E
+
+
+def update_router_biases(model, stats: dict, moe_cfg, n_tokens) -> None:
+    """Moves every MoE layer's `RouterBias` in place from the model's routing statistics.
+
+    ``model`` is a `k3.model.Model`; ``stats`` is ``aux['moe_stats']`` of its forward pass (summed
+    over micro-batches: loads and histograms add up). Call after the optimizer step: the new bias
+    is used from the next step. ``n_tokens`` is the number of routed tokens the statistics cover.
+    """
+    def update(moe, st, stacked: bool):
+        fn = lambda b, s: new_bias(b, s, moe_cfg, n_tokens)
+        moe.router_bias[...] = (jax.vmap(fn) if stacked else fn)(moe.router_bias[...], st)
+
+    for layer, st in zip(model.head_layers, stats["head"]):
+        if st:
+            update(layer.ffn, st, False)
+    if model.body is not None:
+        for layer, st in zip(model.body.layers, stats["body"]):
+            if st:
+                update(layer.ffn, st, True)
+    for layer, st in zip(model.tail_layers, stats["tail"]):
+        if st:
+            update(layer.ffn, st, False)

@@ -1,0 +1,1 @@
+"""Core numerical ops (attention kernels, gates) in plain JAX."""

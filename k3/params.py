@@ -1,0 +1,128 @@
+"""Parameter and FLOP accounting from abstract shapes (nothing is allocated).
+
+    python -m k3.params --config=experiments/configs/k3_full.py
+
+prints one JSON object. Conventions (the K3 spec table's): ``active_params`` counts everything a
+token touches except the input-embedding table: all non-routed weights, the LM head, and top_k of
+the n_experts routed experts per MoE layer. FLOPs per token for training (forward + backward =
+3 x forward, a multiply-add = 2):
+  ``6N``   6 x non-embedding active parameters (N excludes the embedding table and the LM head);
+  ``full`` 6 x (N + LM head) plus 3 x the forward cost of causal softmax attention
+           (H T (d_qk + d_v) per MLA layer at context T, causal-halved), the chunked KDA core per head
+           (6KV + 2C(K+V) + 2CV + 2.5CK + 2C^2/3 at chunk C; kda_kernels.md A.7) and the AttnRes depth
+           mixes (6 M D for M candidates).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+from flax import nnx
+
+from k3 import attn_res
+from k3.config import layer_kinds, validate
+from k3.model import Model
+from k3.moe import MoE
+
+ROUTED = ("w_gate", "w_up", "w_down")
+
+
+def abstract_model(model_cfg) -> nnx.Module:
+    """The model with ShapeDtypeStruct leaves, built through ``nnx.eval_shape``."""
+    return nnx.eval_shape(lambda: Model(model_cfg, rngs=nnx.Rngs(0)))
+
+
+def count_params(model_cfg) -> dict:
+    """Parameter counts by category for a model config (see the module docstring)."""
+    model = abstract_model(model_cfg)
+    total = embed = head = routed = 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        size = math.prod(var.shape)
+        total += size
+        if path == ("embed",):
+            embed += size
+        elif path == ("lm_head",):
+            head += size
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, MoE):
+            routed += sum(math.prod(getattr(node, name).shape) for name in ROUTED)
+    e = model_cfg.moe
+    routed_active = routed * e.top_k / e.n_experts
+    active = total - embed - routed + routed_active
+    return {
+        "total_params": int(total),
+        "active_params": int(round(active)),
+        "non_embedding_active_params": int(round(active - head)),
+        "embedding_params": int(embed),
+        "lm_head_params": int(head),
+        "routed_expert_params": int(routed),
+        "routed_active_params": int(round(routed_active)),
+    }
+
+
+def attn_res_candidates(n_layers: int, block_size: int) -> int:
+    """Total number of depth-mix candidates over all mixes (2 per layer + the output mix)."""
+    total, completed = 0, 0
+    for layer in range(n_layers):
+        # Attention mix: embedding, completed blocks, and the partial (at a block start: the block
+        # that just finished, banked right after); layer 0's attention reads the embedding alone.
+        total += 1 if layer == 0 else 2 + completed
+        if layer > 0 and layer % block_size == 0:
+            completed += 1
+        total += 2 + completed  # FFN mix: the partial now holds this layer's attention output
+    return total + 1 + completed + 1
+
+
+def kda_core_flops(K: int, V: int, C: int) -> float:
+    """Forward FLOPs per token per head of the chunked KDA core."""
+    return 6 * K * V + 2 * C * (K + V) + 2 * C * V + 2.5 * C * K + 2 * C * C / 3
+
+
+def flops_per_token(model_cfg, seq_len: int, counts: dict | None = None) -> dict:
+    """Training FLOPs per token under the ``6N`` and ``full`` conventions, plus the forward terms."""
+    counts = counts or count_params(model_cfg)
+    n = counts["non_embedding_active_params"]
+    kinds = layer_kinds(model_cfg)
+    n_mla = sum(m == "mla" for m, _ in kinds)
+    n_kda = len(kinds) - n_mla
+    a, k = model_cfg.mla, model_cfg.kda
+    attn_fwd = n_mla * a.n_heads * seq_len * (a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim)
+    kda_fwd = n_kda * k.n_heads * kda_core_flops(k.head_dim, k.head_dim, k.chunk_size)
+    res_fwd = 0.0
+    if model_cfg.residual == "attn_res":
+        res_fwd = 6 * model_cfg.d_model * attn_res_candidates(model_cfg.n_layers, model_cfg.attn_res_block_size)
+    full = 6 * (n + counts["lm_head_params"]) + 3 * (attn_fwd + kda_fwd + res_fwd)
+    return {
+        "6N": float(6 * n),
+        "full": float(full),
+        "forward_attention": float(attn_fwd),
+        "forward_kda_core": float(kda_fwd),
+        "forward_attn_res": float(res_fwd),
+    }
+
+
+def report(cfg, seq_len: int | None = None) -> dict:
+    """Counts and FLOPs for a full config (model + data sections)."""
+    validate(cfg)
+    seq_len = seq_len or cfg.data.seq_len
+    counts = count_params(cfg.model)
+    return {"name": cfg.name, **counts, "seq_len": seq_len,
+            "flops_per_token": flops_per_token(cfg.model, seq_len, counts)}
+
+
+def main(argv):
+    del argv
+    from absl import flags
+    print(json.dumps(report(flags.FLAGS.config, flags.FLAGS.seq_len or None), indent=2))
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "config file (experiments/configs/*.py)", lock_config=True)
+    flags.DEFINE_integer("seq_len", 0, "context length for the attention FLOP term (0 = data.seq_len)")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

@@ -1,0 +1,42 @@
+"""Shared test helpers: small model configs built from the schema."""
+
+import functools
+
+import jax
+import pytest
+from flax import nnx
+
+from k3.config import default_config
+
+
+def tiny_model_cfg(**overrides):
+    """A very small validated model config (fast to compile), with nested overrides 'a.b': v."""
+    c = default_config()
+    m = c.model
+    m.update(dict(vocab_size=97, d_model=32, n_layers=4, dense_ffn_dim=48, attn_res_block_size=2))
+    m.mla.update(dict(n_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8))
+    m.kda.update(dict(n_heads=2, head_dim=8, chunk_size=16))
+    m.moe.update(dict(n_experts=8, top_k=2, expert_dim=16, latent_dim=16, shared_dim=24, hist_bins=64))
+    for key, val in overrides.items():
+        node = m
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = val
+    return m
+
+
+@pytest.fixture
+def small_cfg():
+    return tiny_model_cfg()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, segment_ids):
+    return nnx.merge(graphdef, state)(tokens, segment_ids)
+
+
+def forward(model, tokens, segment_ids=None):
+    """Jitted model forward; models of the same structure share one compilation."""
+    graphdef, state = nnx.split(model)
+    return _forward(graphdef, state, tokens, segment_ids)

@@ -1,0 +1,224 @@
+"""Layers against simple references: FFN activations, MLA, KDA layer, Block AttnRes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_model_cfg
+from k3 import attn_res
+from k3.ffn import glu_activation
+from k3.kda import KDA, causal_conv
+from k3.mla import MLA, apply_rope, segment_positions
+
+
+def _rand(key, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+# ---------------------------------------------------------------- FFN activations
+def test_situ_is_bounded_by_100_and_matches_swiglu_near_zero():
+    a = jnp.linspace(-1e4, 1e4, 2001)
+    gate, up = jnp.meshgrid(a, a)
+    out = glu_activation(gate, up, "situ")
+    assert float(jnp.max(jnp.abs(out))) <= 100.0
+    assert float(jnp.max(out)) > 99.0  # the bound is reached, not just respected
+    small_g, small_u = _rand(0, (1000,), 1e-2), _rand(1, (1000,), 1e-2)
+    situ = glu_activation(small_g, small_u, "situ")
+    swiglu = glu_activation(small_g, small_u, "swiglu")
+    # First-order agreement: the difference is third order in the inputs.
+    np.testing.assert_allclose(situ, swiglu, rtol=1e-4, atol=1e-9)
+
+
+def test_situ_negative_gate_tail_goes_to_zero_and_bad_kind_raises():
+    out = glu_activation(jnp.array([-50.0]), jnp.array([3.0]), "situ")
+    assert abs(float(out[0])) < 1e-18
+    with pytest.raises(ValueError, match="gelu"):
+        glu_activation(jnp.ones(2), jnp.ones(2), "gelu")
+
+
+# ---------------------------------------------------------------- MLA
+def naive_attention(q, k, v, seg, scale):
+    """Float64 numpy softmax attention, causal and within documents. q,k [B,T,H,D]; v [B,T,H,E]."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    B, T, H, _ = q.shape
+    out = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(H):
+            s = q[b, :, h] @ k[b, :, h].T * scale
+            allowed = np.tril(np.ones((T, T), bool)) & (seg[b][:, None] == seg[b][None, :])
+            s = np.where(allowed, s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[b, :, h] = p @ v[b, :, h]
+    return out
+
+
+def naive_rope(x, pos, theta):
+    x = np.asarray(x, np.float64)
+    R = x.shape[-1]
+    freq = theta ** (-np.arange(0, R, 2) / R)
+    ang = np.asarray(pos, np.float64)[..., None] * freq
+    c, s = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+    x1, x2 = x[..., : R // 2], x[..., R // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+@pytest.mark.parametrize("use_rope,gate", [(True, False), (False, True)])
+def test_mla_matches_naive_attention(use_rope, gate):
+    cfg = tiny_model_cfg(**{"mla.use_rope": use_rope, "mla.output_gate": gate})
+    mla = MLA(cfg, rngs=nnx.Rngs(3))
+    B, T = 2, 13
+    x = _rand(4, (B, T, cfg.d_model))
+    seg = jnp.array([[1] * 5 + [2] * 8, [1] * 13], jnp.int32)
+    y = mla(x, seg)
+    # Reference: recompute q, k, v from the weights in numpy, then naive attention.
+    W = {n: np.asarray(getattr(mla, n)[...], np.float64) for n in ("q_a", "q_b", "kv_a", "kv_b", "w_o")}
+    xn = np.asarray(x, np.float64)
+
+    def rms(t, w, eps):
+        return t / np.sqrt((t ** 2).mean(-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+    a = cfg.mla
+    q = np.einsum("btr,rhk->bthk", rms(xn @ W["q_a"], mla.q_norm.weight[...], a.norm_eps), W["q_b"])
+    kv = xn @ W["kv_a"]
+    c_kv, k_rope = kv[..., : a.kv_lora_rank], kv[..., a.kv_lora_rank:]
+    up = np.einsum("btr,rhk->bthk", rms(c_kv, mla.kv_norm.weight[...], a.norm_eps), W["kv_b"])
+    k_nope, v = up[..., : a.qk_nope_dim], up[..., a.qk_nope_dim:]
+    q_nope, q_rope = q[..., : a.qk_nope_dim], q[..., a.qk_nope_dim:]
+    k_rope = np.repeat(k_rope[:, :, None], a.n_heads, axis=2)
+    if use_rope:
+        pos = np.array([list(range(5)) + list(range(8)), list(range(13))])
+        q_rope, k_rope = naive_rope(q_rope, pos, a.rope_theta), naive_rope(k_rope, pos, a.rope_theta)
+    o = naive_attention(np.concatenate([q_nope, q_rope], -1), np.concatenate([k_nope, k_rope], -1), v,
+                        np.asarray(seg), (a.qk_nope_dim + a.qk_rope_dim) ** -0.5)
+    if gate:
+        g = np.einsum("btd,dhk->bthk", xn, np.asarray(mla.w_gate[...], np.float64))
+        o = o / (1 + np.exp(-g))
+    ref = np.einsum("bthk,hkd->btd", o, W["w_o"])
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-4, atol=2e-5)
+
+
+def test_segment_positions_and_rope_relative():
+    seg = jnp.array([[1, 1, 1, 2, 2, 3]])
+    np.testing.assert_array_equal(segment_positions(seg), [[0, 1, 2, 0, 1, 0]])
+    # RoPE makes q.k depend only on the position difference.
+    q, k = _rand(0, (1, 1, 1, 8)), _rand(1, (1, 1, 1, 8))
+    def dot(pq, pk):
+        rq = apply_rope(q, jnp.array([[pq]]), 1e4)
+        rk = apply_rope(k, jnp.array([[pk]]), 1e4)
+        return float(jnp.sum(rq * rk))
+    assert dot(7, 3) == pytest.approx(dot(104, 100), rel=1e-4)
+
+
+# ---------------------------------------------------------------- causality
+@pytest.mark.parametrize("layer_cls", [MLA, KDA])
+def test_token_mixers_are_causal(layer_cls):
+    cfg = tiny_model_cfg()
+    layer = layer_cls(cfg, rngs=nnx.Rngs(0))
+    T, t = 21, 9
+    x = _rand(1, (2, T, cfg.d_model))
+    x2 = x.at[:, t + 1:].set(_rand(2, (2, T - t - 1, cfg.d_model)))
+    y1, y2 = layer(x), layer(x2)
+    np.testing.assert_allclose(y1[:, : t + 1], y2[:, : t + 1], rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(y1[:, t + 1:] - y2[:, t + 1:]))) > 1e-4
+
+
+@pytest.mark.parametrize("layer_cls", [MLA, KDA])
+def test_packed_documents_equal_separate_runs(layer_cls):
+    cfg = tiny_model_cfg(**{"mla.use_rope": True})
+    layer = layer_cls(cfg, rngs=nnx.Rngs(5))
+    lens = [7, 1, 12]
+    x = _rand(6, (1, sum(lens), cfg.d_model))
+    seg = jnp.concatenate([jnp.full((n,), i + 1, jnp.int32) for i, n in enumerate(lens)])[None]
+    packed = layer(x, seg)
+    start = 0
+    for n in lens:
+        alone = layer(x[:, start:start + n])
+        np.testing.assert_allclose(packed[:, start:start + n], alone, rtol=1e-4, atol=1e-5)
+        start += n
+
+
+def test_causal_conv_matches_numpy_with_resets():
+    x = np.asarray(_rand(0, (1, 9, 3)))
+    w = np.asarray(_rand(1, (4, 3)))
+    seg = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2]])
+    out = np.asarray(causal_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(seg)))
+    ref = np.zeros_like(x)
+    for t in range(9):
+        for i in range(4):
+            if t - i >= 0 and seg[0, t - i] == seg[0, t]:
+                ref[0, t] += w[3 - i] * x[0, t - i]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_kda_gate_at_bound_and_output_finite():
+    cfg = tiny_model_cfg()
+    layer = KDA(cfg, rngs=nnx.Rngs(0))
+    layer.dt_bias[...] = jnp.full(layer.dt_bias.shape, 50.0)  # drive z up: g -> lower bound
+    x = _rand(0, (1, 40, cfg.d_model))
+    g, beta = layer.gates(x)
+    assert g.dtype == jnp.float32 and beta.dtype == jnp.float32
+    assert float(jnp.min(g)) > cfg.kda.gate_lower_bound - 1e-6 and float(jnp.max(g)) < 0
+    assert float(jnp.min(g)) < cfg.kda.gate_lower_bound + 0.01
+    assert bool(jnp.all(jnp.isfinite(layer(x))))
+
+
+def test_kda_chunk_and_recurrent_impls_agree():
+    cfg = tiny_model_cfg()
+    layer = KDA(cfg, rngs=nnx.Rngs(2))
+    x = _rand(3, (2, 37, cfg.d_model))
+    y_chunk = layer(x)
+    layer.impl = "recurrent"
+    np.testing.assert_allclose(y_chunk, layer(x), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- Block AttnRes
+def test_attn_res_zero_query_is_uniform_mean():
+    mix = attn_res.AttnResMix(16, 1e-5, rngs=nnx.Rngs(0))
+    cands = _rand(0, (5, 2, 3, 16)) * jnp.arange(1, 6)[:, None, None, None]
+    valid = jnp.array([True, True, False, True, True])
+    out = mix(cands, valid)
+    np.testing.assert_allclose(out, cands[jnp.array([0, 1, 3, 4])].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_attn_res_mix_matches_formula():
+    mix = attn_res.AttnResMix(8, 1e-5, rngs=nnx.Rngs(0))
+    mix.query[...] = _rand(1, (8,))
+    mix.norm[...] = 1.0 + _rand(2, (8,), 0.1)
+    cands = np.asarray(_rand(3, (3, 1, 2, 8)), np.float64)
+    w = np.asarray(mix.query[...], np.float64) * np.asarray(mix.norm[...], np.float64)
+    logits = (cands * w).sum(-1) / np.sqrt((cands ** 2).mean(-1) + 1e-5)
+    p = np.exp(logits - logits.max(0))
+    p /= p.sum(0)
+    ref = (p[..., None] * cands).sum(0)
+    np.testing.assert_allclose(mix(jnp.asarray(cands, jnp.float32), jnp.ones(3, bool)), ref, rtol=1e-5)
+
+
+def test_attn_res_stream_follows_block_schedule():
+    """The traced stream equals a list-based walk of the spec's schedule (uniform mixes)."""
+    L, bs, D = 7, 3, 4
+    mix = attn_res.AttnResMix(D, 1e-5, rngs=nnx.Rngs(0))
+    emb = _rand(0, (1, 1, D))
+    outs = [(_rand(10 + l, (1, 1, D)), _rand(50 + l, (1, 1, D))) for l in range(L)]
+    stream = attn_res.init_stream(emb, "attn_res", attn_res.n_bank_slots(L, bs))
+    bank, partial = [emb], None
+    for l, (a, f) in enumerate(outs):
+        got = attn_res.read(stream, mix)
+        want = jnp.mean(jnp.stack(bank + ([partial] if partial is not None else [])), 0)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        stream = attn_res.add_attention(stream, a, jnp.asarray(l), bs)
+        if l % bs == 0:
+            if partial is not None:
+                bank.append(partial)
+            partial = a
+        else:
+            partial = partial + a
+        np.testing.assert_allclose(attn_res.read(stream, mix), jnp.mean(jnp.stack(bank + [partial]), 0),
+                                   rtol=1e-5, atol=1e-6)
+        stream = attn_res.add_ffn(stream, f)
+        partial = partial + f
+    np.testing.assert_allclose(attn_res.read(stream, mix), jnp.mean(jnp.stack(bank + [partial]), 0),
+                               rtol=1e-5, atol=1e-6)
+    assert int(stream["count"]) == len(bank) == 3

@@ -1,0 +1,138 @@
+"""Whole models: tiny K2 and K3 forward/backward, causality, dtypes, layer planning, configs."""
+
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import forward, tiny_model_cfg
+from k3.config import ConfigError, default_config, layer_kinds, validate
+from k3.model import Model, cross_entropy, plan_layers
+
+
+def _load(name):
+    return importlib.import_module(f"experiments.configs.{name}").get_config()
+
+
+def _loss_and_grads(model, tokens, seg=None):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params):
+        def loss_fn(p):
+            logits, aux = nnx.merge(graphdef, p, rest)(tokens, seg)
+            return cross_entropy(logits[:, :-1], tokens[:, 1:]), aux
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return run(params)
+
+
+@pytest.mark.parametrize("name", ["k3_tiny", "k2_tiny"])
+def test_tiny_models_forward_backward(name):
+    cfg = _load(name)
+    validate(cfg)
+    model = Model(cfg.model, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, cfg.model.vocab_size)
+    seg = jnp.concatenate([jnp.ones((2, 20), jnp.int32), jnp.full((2, 28), 2, jnp.int32)], axis=1)
+    (loss, aux), grads = _loss_and_grads(model, tokens, seg)
+    assert abs(float(loss) - math.log(cfg.model.vocab_size)) < 0.1
+    leaves = jax.tree.leaves(grads)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+    assert sum(float(jnp.sum(g ** 2)) for g in leaves) > 0
+    n_moe = sum(f == "moe" for _, f in layer_kinds(cfg.model))
+    assert aux["expert_load"].shape == (n_moe, cfg.model.moe.n_experts)
+    np.testing.assert_allclose(aux["expert_load"].sum(-1), 2 * 48 * cfg.model.moe.top_k)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mixer": "mla", "residual": "plain", "mla.use_rope": True}])
+def test_model_is_causal(overrides):
+    cfg = tiny_model_cfg(**overrides)
+    model = Model(cfg, rngs=nnx.Rngs(1))
+    T, t = 20, 10
+    tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.vocab_size)
+    changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 7) % cfg.vocab_size)
+    # The router bias is fixed, so routing is per token and cannot leak across positions.
+    out1, _ = forward(model, tokens)
+    out2, _ = forward(model, changed)
+    np.testing.assert_allclose(out1[:, : t + 1], out2[:, : t + 1], rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(out1[:, t + 1:] - out2[:, t + 1:]))) > 1e-3
+
+
+def test_scanned_and_unrolled_models_agree():
+    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3)
+    scanned = Model(cfg, rngs=nnx.Rngs(3))
+    assert scanned.body is not None and scanned.body_repeats == 2
+    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, scan_layers=False)
+    unrolled = Model(cfg_u, rngs=nnx.Rngs(4))
+    assert unrolled.body is None
+    # Copy the scanned weights into the unrolled model, layer by layer.
+    state_u = nnx.state(unrolled)
+    state_s = nnx.state(scanned)
+    flat_u = dict(nnx.to_flat_state(state_u))
+    for path, var in nnx.to_flat_state(state_s):
+        if path[0] == "body":
+            for r in range(scanned.body_repeats):
+                layer = scanned.body_start + r * scanned.body_period + path[2]
+                flat_u[("head_layers", layer) + path[3:]].set_value(var[...][r])
+        elif path[0] == "tail_layers":
+            flat_u[("head_layers", scanned.tail_idx[path[1]]) + path[2:]].set_value(var[...])
+        else:
+            flat_u[path].set_value(var[...])
+    tokens = jax.random.randint(jax.random.key(5), (2, 20), 0, cfg.vocab_size)
+    np.testing.assert_allclose(forward(scanned, tokens)[0], forward(unrolled, tokens)[0], rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_forward_close_to_fp32():
+    cfg = tiny_model_cfg()
+    model32 = Model(cfg, rngs=nnx.Rngs(6))
+    cfg16 = tiny_model_cfg(dtype="bfloat16")
+    model16 = Model(cfg16, rngs=nnx.Rngs(6))
+    tokens = jax.random.randint(jax.random.key(7), (2, 32), 0, cfg.vocab_size)
+    l32, _ = forward(model32, tokens)
+    l16, _ = forward(model16, tokens)
+    assert l16.dtype == jnp.bfloat16
+    p32 = jax.nn.softmax(l32.astype(jnp.float32), -1)
+    p16 = jax.nn.softmax(l16.astype(jnp.float32), -1)
+    assert float(jnp.max(jnp.abs(p32 - p16))) < 2e-2
+    loss32 = cross_entropy(l32[:, :-1], tokens[:, 1:])
+    loss16 = cross_entropy(l16[:, :-1], tokens[:, 1:])
+    assert abs(float(loss32) - float(loss16)) < 1e-2
+
+
+def test_layer_plans_of_published_models():
+    k3 = _load("k3_full").model
+    kinds = layer_kinds(k3)
+    mla = [i + 1 for i, (m, _) in enumerate(kinds) if m == "mla"]
+    assert mla == list(range(4, 93, 4)) + [93]  # 1-indexed full-attention layers of the release
+    assert sum(m == "kda" for m, _ in kinds) == 69
+    head, (start, period, repeats), tail = plan_layers(k3)
+    assert (head, start, period, repeats, tail) == ([0, 1, 2, 3], 4, 4, 22, [92])
+    k2 = _load("k2_full").model
+    assert all(m == "mla" for m, _ in layer_kinds(k2))
+    assert plan_layers(k2) == ([0], (1, 1, 60), [])
+
+
+def test_config_errors_name_the_key():
+    c = default_config()
+    with pytest.raises(AttributeError):
+        c.lock()
+        c.model.not_a_key = 1
+    c = default_config()
+    c.model.mla.unknown_field = 3
+    with pytest.raises(ConfigError, match="model.mla.unknown_field"):
+        validate(c)
+    c = default_config()
+    c.model.activation = "gelu"
+    with pytest.raises(ConfigError, match="model.activation"):
+        validate(c)
+    c = default_config()
+    c.model.kda.gate_lower_bound = -6.0
+    with pytest.raises(ConfigError, match="gate_lower_bound"):
+        validate(c)
+    c = default_config()
+    c.model.update_from_flattened_dict({"first_k_dense": 99})
+    with pytest.raises(ConfigError, match="first_k_dense"):
+        validate(c)
