@@ -55,6 +55,36 @@ def attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array
     return out[..., :E]
 
 
+def max_attention_logit(q_BTHD, k_BTHD, segment_ids_BT, scale: float) -> jax.Array:
+    """Per-head max of the attended logits q.k * scale over the batch: [H] fp32, no gradient.
+
+    A second QK^T pass (flash attention does not expose its logits); only run when QK-Clip is on.
+    """
+    q, k = jax.lax.stop_gradient(q_BTHD), jax.lax.stop_gradient(k_BTHD)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    T = q.shape[1]
+    allowed = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    if segment_ids_BT is not None:
+        allowed = allowed & (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
+    return jnp.max(jnp.where(allowed, s, -jnp.inf), axis=(0, 2, 3))
+
+
+def qk_clip(mla: "MLA", max_logit_H: jax.Array, tau: float) -> None:
+    """K2's QK-Clip, in place: per head h with S_h > tau, gamma = tau / S_h scales the head's
+    q_nope and k_nope weights by sqrt(gamma) and its q_rope weights by gamma; the shared k_rope is
+    left alone. ``max_logit_H`` may carry leading (stacked-layer) axes matching the weights'."""
+    gamma = jnp.minimum(1.0, tau / jnp.maximum(max_logit_H, 1e-6))[..., None, :, None]  # [..., 1, H, 1]
+    nope = mla.nope
+    q_b = mla.q_b[...]
+    q_scale = jnp.concatenate([jnp.broadcast_to(jnp.sqrt(gamma), gamma.shape[:-1] + (nope,)),
+                               jnp.broadcast_to(gamma, gamma.shape[:-1] + (q_b.shape[-1] - nope,))], -1)
+    mla.q_b[...] = (q_b * q_scale).astype(q_b.dtype)
+    kv_b = mla.kv_b[...]
+    kv_scale = jnp.concatenate([jnp.broadcast_to(jnp.sqrt(gamma), gamma.shape[:-1] + (nope,)),
+                                jnp.ones(gamma.shape[:-1] + (kv_b.shape[-1] - nope,), gamma.dtype)], -1)
+    mla.kv_b[...] = (kv_b * kv_scale).astype(kv_b.dtype)
+
+
 class MLA(nnx.Module):
     """Multi-head latent attention layer; see the module docstring. x: [B, T, D] -> [B, T, D]."""
 
@@ -107,13 +137,16 @@ class MLA(nnx.Module):
         return q, k, v
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
-                 positions_BT: jax.Array | None = None) -> jax.Array:
+                 positions_BT: jax.Array | None = None, return_max_logit: bool = False):
+        """y [B, T, D]; with ``return_max_logit`` also the per-head max attention logit [H] (for QK-Clip)."""
         if positions_BT is None:
             positions_BT = (segment_positions(segment_ids_BT) if segment_ids_BT is not None
                             else jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2]))
         q, k, v = self.project_qkv(x_BTD, positions_BT)
         o = attention(q, k, v, segment_ids_BT, self.scale)
+        max_logit = max_attention_logit(q, k, segment_ids_BT, self.scale) if return_max_logit else None
         if self.w_gate is not None:
             gate = jnp.einsum("btd,dhk->bthk", x_BTD.astype(self.dtype), cast(self.w_gate, self.dtype))
             o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
-        return jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), cast(self.w_o, self.dtype))
+        y = jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), cast(self.w_o, self.dtype))
+        return (y, max_logit) if return_max_logit else y

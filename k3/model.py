@@ -17,16 +17,17 @@ from k3 import attn_res
 from k3.config import layer_kinds
 from k3.ffn import GLUMLP
 from k3.kda import KDA
-from k3.mla import MLA
-from k3.moe import MoE
+from k3.mla import MLA, qk_clip
+from k3.moe import MoE, new_bias
 from k3.nn import RMSNorm, cast, normal, param
 
 
 class DecoderLayer(nnx.Module):
     """One layer: [AttnRes mix] -> norm -> mixer -> add; [AttnRes mix] -> norm -> FFN -> add."""
 
-    def __init__(self, cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs, track_max_logit: bool = False):
         self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.track_max_logit = track_max_logit and mixer == "mla"
         self.block_size = cfg.attn_res_block_size
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
@@ -44,15 +45,21 @@ class DecoderLayer(nnx.Module):
             self.attn_mix = self.ffn_mix = None
 
     def __call__(self, stream: dict, layer_idx, segment_ids_BT):
-        """Returns the updated stream and the MoE routing statistics ({} for a dense FFN)."""
+        """Returns the updated stream and this layer's statistics: MoE routing ('load', 'balance')
+        and, when tracked, the MLA per-head max logit ('max_logit'); {} when there are none."""
         x = attn_res.read(stream, self.attn_mix)
-        a = self.mixer(self.attn_norm(x), segment_ids_BT)
+        stats = {}
+        if self.track_max_logit:
+            a, stats["max_logit"] = self.mixer(self.attn_norm(x), segment_ids_BT, return_max_logit=True)
+        else:
+            a = self.mixer(self.attn_norm(x), segment_ids_BT)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)
         x = attn_res.read(stream, self.ffn_mix)
         if self.ffn_kind == "moe":
-            f, stats = self.ffn(self.ffn_norm(x))
+            f, layer_stats = self.ffn(self.ffn_norm(x))
+            stats.update(layer_stats)
         else:
-            f, stats = self.ffn(self.ffn_norm(x)), {}
+            f = self.ffn(self.ffn_norm(x))
         return attn_res.add_ffn(stream, f), stats
 
 
@@ -62,8 +69,9 @@ AttnResMix = attn_res.AttnResMix
 class LayerGroup(nnx.Module):
     """One period of consecutive layers (e.g. KDA, KDA, KDA, MLA), the unit that is scanned."""
 
-    def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs) for m, f in kinds])
+    def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs, track_max_logit: bool = False):
+        self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs, track_max_logit=track_max_logit)
+                                for m, f in kinds])
 
     def __call__(self, stream: dict, first_idx, segment_ids_BT):
         stats = []
@@ -92,9 +100,12 @@ def plan_layers(m) -> tuple[list[int], tuple[int, int, int], list[int]]:
 
 
 class Model(nnx.Module):
-    """K2-style or K3-style decoder LM, built from a validated ``cfg.model`` ConfigDict."""
+    """K2-style or K3-style decoder LM, built from a validated ``cfg.model`` ConfigDict.
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    ``track_max_logit`` makes MLA layers report their per-head max attention logit (QK-Clip).
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, track_max_logit: bool = False):
         kinds = layer_kinds(cfg)
         self.remat = cfg.remat
         self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
@@ -103,19 +114,21 @@ class Model(nnx.Module):
         self.head_idx, self.tail_idx = tuple(head), tuple(tail)
         self.body_start, self.body_period, self.body_repeats = start, period, repeats
         self.embed = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.head_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs) for i in head])
+        self.head_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit)
+                                     for i in head])
         if repeats:
             pattern = kinds[start:start + period]
 
             @nnx.split_rngs(splits=repeats)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_body(r):
-                return LayerGroup(cfg, pattern, rngs=r)
+                return LayerGroup(cfg, pattern, rngs=r, track_max_logit=track_max_logit)
 
             self.body = make_body(rngs)
         else:
             self.body = None
-        self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs) for i in tail])
+        self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit)
+                                     for i in tail])
         self.out_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs) if cfg.residual == "attn_res" else None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -156,22 +169,54 @@ class Model(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Logits [B, T, V] (compute dtype) and aux outputs.
 
-        aux: 'expert_load' [n_moe_layers, E] fp32 token counts in layer order; 'moe_stats' the
+        aux: 'expert_load' [n_moe_layers, E] fp32 token counts in layer order; 'layer_stats' the
         per-layer routing statistics that `k3.moe.update_router_biases` consumes.
         """
         h, stats = self.hidden(tokens_BT, segment_ids_BT)
         logits = jnp.einsum("btd,dv->btv", h, cast(self.lm_head, self.dtype))
-        return logits, {"expert_load": expert_loads(stats), "moe_stats": stats}
+        return logits, {"expert_load": expert_loads(stats), "layer_stats": stats}
 
 
 def expert_loads(stats: dict) -> jax.Array:
     """Per-expert token counts [n_moe_layers, E] in layer order, from the model's routing statistics."""
-    rows = [st["load"][None] for st in stats["head"] if st]
-    body = [st["load"] for st in stats["body"] if st]  # each [repeats, E]
+    rows = [st["load"][None] for st in stats["head"] if "load" in st]
+    body = [st["load"] for st in stats["body"] if "load" in st]  # each [repeats, E]
     if body:
         rows.append(jnp.stack(body, axis=1).reshape(-1, body[0].shape[-1]))
-    rows += [st["load"][None] for st in stats["tail"] if st]
+    rows += [st["load"][None] for st in stats["tail"] if "load" in st]
     return jnp.concatenate(rows, axis=0) if rows else jnp.zeros((0, 0), jnp.float32)
+
+
+def layers_with_stats(model: Model, stats: dict):
+    """Pairs (layer, its statistics, stacked?) for every layer, matching `Model.hidden`'s layout."""
+    out = [(layer, st, False) for layer, st in zip(model.head_layers, stats["head"])]
+    if model.body is not None:
+        out += [(layer, st, True) for layer, st in zip(model.body.layers, stats["body"])]
+    out += [(layer, st, False) for layer, st in zip(model.tail_layers, stats["tail"])]
+    return out
+
+
+def apply_qk_clip(model: Model, stats: dict, tau: float) -> None:
+    """QK-Clip on every MLA layer from the tracked max logits of the last forward pass (in place)."""
+    for layer, st, _ in layers_with_stats(model, stats):
+        if "max_logit" in st:
+            qk_clip(layer.mixer, st["max_logit"], tau)
+
+
+def update_router_biases(model: Model, stats: dict, moe_cfg, n_tokens) -> None:
+    """Moves every MoE layer's `RouterBias` in place from the model's routing statistics.
+
+    ``stats`` is ``aux['layer_stats']`` of a forward pass, combined over micro-batches (loads and
+    histograms add up; exact-QB biases average). Call after the optimizer step: the new bias is used
+    from the next step. ``n_tokens`` is the number of routed tokens the statistics cover.
+    """
+    def fn(bias, st):
+        return new_bias(bias, st, moe_cfg, n_tokens)
+
+    for layer, st, stacked in layers_with_stats(model, stats):
+        if "load" in st:
+            st = {k: v for k, v in st.items() if k in ("load", "balance")}
+            layer.ffn.router_bias[...] = (jax.vmap(fn) if stacked else fn)(layer.ffn.router_bias[...], st)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None):

@@ -134,26 +134,3 @@ def new_bias(bias_E, stats: dict, moe_cfg, n_tokens) -> jax.Array:
     if kind == "quantile_hist":
         return balancing.quantile_bias_from_histogram(stats["balance"], bias_E, n_tokens, moe_cfg.top_k)
     return bias_E
-
-
-def update_router_biases(model, stats: dict, moe_cfg, n_tokens) -> None:
-    """Moves every MoE layer's `RouterBias` in place from the model's routing statistics.
-
-    ``model`` is a `k3.model.Model`; ``stats`` is ``aux['moe_stats']`` of its forward pass (summed
-    over micro-batches: loads and histograms add up). Call after the optimizer step: the new bias
-    is used from the next step. ``n_tokens`` is the number of routed tokens the statistics cover.
-    """
-    def update(moe, st, stacked: bool):
-        fn = lambda b, s: new_bias(b, s, moe_cfg, n_tokens)
-        moe.router_bias[...] = (jax.vmap(fn) if stacked else fn)(moe.router_bias[...], st)
-
-    for layer, st in zip(model.head_layers, stats["head"]):
-        if st:
-            update(layer.ffn, st, False)
-    if model.body is not None:
-        for layer, st in zip(model.body.layers, stats["body"]):
-            if st:
-                update(layer.ffn, st, True)
-    for layer, st in zip(model.tail_layers, stats["tail"]):
-        if st:
-            update(layer.ffn, st, False)

@@ -1,6 +1,11 @@
 """Shared test helpers: small model configs built from the schema."""
 
 import functools
+import os
+
+# Tests are dominated by XLA compile time on a small CPU: trade run-time speed for compile speed.
+# Subprocesses started by the tests (the launchers) inherit this.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax
 import pytest

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from conftest import forward, tiny_model_cfg
-from k3.model import Model
-from k3.moe import MoE, dense_experts, ragged_experts, update_router_biases
+from k3.model import Model, update_router_biases
+from k3.moe import MoE, dense_experts, ragged_experts
 
 
 def _x(key, shape):
@@ -79,7 +79,7 @@ def test_update_router_biases_on_scanned_model(balancing):
     _, aux = forward(model, tokens)
     assert aux["expert_load"].shape == (4, cfg.moe.n_experts)
     before = model.body.layers[0].ffn.router_bias[...]
-    update_router_biases(model, aux["moe_stats"], cfg.moe, n_tokens=4 * 32)
+    update_router_biases(model, aux["layer_stats"], cfg.moe, n_tokens=4 * 32)
     after = model.body.layers[0].ffn.router_bias[...]
     assert after.shape == before.shape == (4, cfg.moe.n_experts)
     assert float(jnp.abs(after - before).max()) > 0

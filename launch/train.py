@@ -1,0 +1,35 @@
+"""Pretrain from a config file; rerunning the same command on the same workdir resumes.
+
+    python -m launch.train --config=experiments/configs/k3_tiny.py --workdir=runs/k3_tiny \
+        [--config.steps=600 --config.data.source=text_dir --config.data.path=/my/texts ...]
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from k3.config import ConfigError
+from k3.data import DataError
+from k3.train import RunError, train
+
+config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "config file", lock_config=True)
+flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, tokenizer", required=True)
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # orbax reports every save step at INFO
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        last = train(flags.FLAGS.config, flags.FLAGS.workdir)
+    except (RunError, DataError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if last:
+        summary = {k: last[k] for k in ("step", "loss", "val_loss", "val_bits_per_byte") if k in last}
+        print("done:", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    app.run(main)
