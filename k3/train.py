@@ -235,6 +235,9 @@ def save_checkpoint(mngr, state: dict, data_state: dict, cfg) -> None:
 
     step = int(state["step"])
     meta = {"data": data_state, "step": step, "config": json.loads(cfg.to_json())}
+    # The next train step donates ``state``; an async save may still be reading it (on CPU the host
+    # "copy" can alias the device buffer), so save a private copy.
+    state = jax.tree.map(jnp.copy, state)
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 

@@ -2,10 +2,17 @@
 
 import functools
 import os
+import tempfile
 
 # Tests are dominated by XLA compile time on a small CPU: trade run-time speed for compile speed.
 # Subprocesses started by the tests (the launchers) inherit this.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# One persistent compilation cache for the session, shared with the launcher subprocesses, so each
+# distinct program compiles once.
+_CACHE = os.path.join(tempfile.gettempdir(), f"k3-test-jax-cache-{os.getuid()}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import pytest

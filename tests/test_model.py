@@ -62,10 +62,10 @@ def test_model_is_causal(overrides):
 
 
 def test_scanned_and_unrolled_models_agree():
-    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3)
+    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1)
     scanned = Model(cfg, rngs=nnx.Rngs(3))
     assert scanned.body is not None and scanned.body_repeats == 2
-    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, scan_layers=False)
+    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, scan_layers=False)
     unrolled = Model(cfg_u, rngs=nnx.Rngs(4))
     assert unrolled.body is None
     # Copy the scanned weights into the unrolled model, layer by layer.

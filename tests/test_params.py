@@ -34,7 +34,8 @@ def test_flop_terms():
     assert kda_core_flops(128, 128, 64) == pytest.approx(1.71e5, rel=0.01)
     # K3: 8 blocks of 12 layers over 93 layers; the output mix reads 9 sources.
     assert attn_res_candidates(1, 12) == 1 + 2 + 2
-    assert attn_res_candidates(13, 12) - attn_res_candidates(12, 12) == 2 + 3
+    # Layer 12 opens block 1: its attention reads 2 candidates, its FFN 3, and the output mix one more.
+    assert attn_res_candidates(13, 12) - attn_res_candidates(12, 12) == 2 + 3 + 1
 
 
 def test_ladder_styles_match_routed_compute():

@@ -184,21 +184,117 @@ def recurrent_kda(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _apply_unit_lower_inverse(L_BHCC, rhs_BHCM):
-    """(I + L)^-1 rhs for strictly lower-triangular L, as a product of log2(C) factors.
+def _apply_unit_lower_inverse(L_XCC, rhs_XCM, order=None):
+    """(I + L)^-1 rhs for nilpotent L [..., C, C] (L^order = 0), as a product of log2(order) factors.
 
-    L is nilpotent (L^C = 0), so (I + L)^-1 = sum_i (-L)^i = prod_j (I + (-L)^(2^j)). Matmuls only:
-    XLA's CPU triangular solve can stall under autodiff inside a scan for some batch sizes.
+    (I + L)^-1 = sum_i (-L)^i = prod_j (I + (-L)^(2^j)). Matmuls only: XLA's CPU triangular solve can
+    stall under autodiff inside a scan for some batch sizes. `order` defaults to C (strictly lower L).
     """
-    C = L_BHCC.shape[-1]
-    power_BHCC = -L_BHCC
-    out_BHCM = rhs_BHCM + jnp.einsum("bhij,bhjm->bhim", power_BHCC, rhs_BHCM, precision=_PRECISION)
+    order = L_XCC.shape[-1] if order is None else order
+    power_XCC = -L_XCC
+    out_XCM = rhs_XCM + jnp.einsum("...ij,...jm->...im", power_XCC, rhs_XCM, precision=_PRECISION)
     span = 2
-    while span < C:
-        power_BHCC = jnp.einsum("bhij,bhjk->bhik", power_BHCC, power_BHCC, precision=_PRECISION)
-        out_BHCM = out_BHCM + jnp.einsum("bhij,bhjm->bhim", power_BHCC, out_BHCM, precision=_PRECISION)
+    while span < order:
+        power_XCC = jnp.einsum("...ij,...jk->...ik", power_XCC, power_XCC, precision=_PRECISION)
+        out_XCM = out_XCM + jnp.einsum("...ij,...jm->...im", power_XCC, out_XCM, precision=_PRECISION)
         span *= 2
-    return out_BHCM
+    return out_XCM
+
+
+# Sub-tile size of the intra-chunk work (see `_decayed_scores` and `_solve_unit_lower`). Small tiles
+# keep the pairwise decay tensor small, which is what dominates the chunked form's cost on CPU.
+_SUBTILE = 8
+
+
+def _pad_axis(x, axis, size, mode="constant"):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, mode=mode)
+
+
+def _solve_unit_lower(L_XCC, rhs_XCM, tile):
+    """(I + L)^-1 rhs for strictly lower-triangular L [X, C, C] and rhs [X, C, M].
+
+    With tokens in sub-tiles of `tile`, split L = D + E into its block diagonal D and the part E
+    below it. Then I + L = (I + D)(I + F) with F = (I + D)^-1 E strictly block-lower, so
+      (I + L)^-1 rhs = (I + F)^-1 (I + D)^-1 rhs,
+    where (I + D)^-1 is C / tile independent [tile, tile] inverses and (I + F)^-1 needs only
+    log2(C / tile) doubling steps instead of log2(C).
+    """
+    X, C, M = rhs_XCM.shape
+    n_tiles = -(-C // tile)
+    Cp = n_tiles * tile  # zero rows and columns past C leave the first C rows of the solution alone
+    L_XCC = _pad_axis(_pad_axis(L_XCC, 1, Cp), 2, Cp)
+    rhs_XCM = _pad_axis(rhs_XCM, 1, Cp)
+
+    L_XTSTS = L_XCC.reshape(X, n_tiles, tile, n_tiles, tile)
+    L_diag_XTSS = jnp.moveaxis(jnp.diagonal(L_XTSTS, axis1=1, axis2=3), -1, 1)
+    eye_XTSS = jnp.broadcast_to(jnp.eye(tile, dtype=L_XCC.dtype), L_diag_XTSS.shape)
+    inv_diag_XTSS = _apply_unit_lower_inverse(L_diag_XTSS, eye_XTSS)
+
+    def inv_diag_times(y_XCD):
+        y_XTSD = y_XCD.reshape(X, n_tiles, tile, -1)
+        return jnp.einsum("xtij,xtjd->xtid", inv_diag_XTSS, y_XTSD, precision=_PRECISION).reshape(y_XCD.shape)
+
+    out_XCM = inv_diag_times(rhs_XCM)
+    if n_tiles > 1:
+        tile_C = jnp.arange(Cp) // tile
+        F_XCC = inv_diag_times(jnp.where(tile_C[:, None] == tile_C[None, :], 0.0, L_XCC))
+        out_XCM = _apply_unit_lower_inverse(F_XCC, out_XCM, order=n_tiles)
+    return out_XCM[:, :C]
+
+
+def _decayed_scores(x_list, k_XCK, Gamma_XCK, tile):
+    """For each x in x_list: sum_d x_id k_jd exp(Gamma_id - Gamma_jd) for j <= i, 0 for j > i.
+
+    Shapes: x, k, Gamma [..., C, K] -> [..., C, C]. Tokens are grouped into sub-tiles of `tile`.
+    Pairs within a sub-tile use the pairwise decay [tile, tile, K], masked before exp. For j in an
+    earlier sub-tile than i, the decay factors through r, the last token before i's sub-tile
+    (j <= r < i):
+      exp(Gamma_i - Gamma_j) = exp(Gamma_i - Gamma_r) * exp(Gamma_r - Gamma_j),
+    with both exponents <= 0, so those pairs are plain matmuls and no exponent is ever positive.
+    """
+    *batch, C, K = k_XCK.shape
+    n_tiles = -(-C // tile)
+    Cp = n_tiles * tile
+    # One flat batch axis keeps every intermediate at rank <= 5 (XLA:CPU has crashed on the gradient
+    # of rank-7 broadcast products with a unit axis). Tokens past C have x = k = 0 and repeat the last
+    # Gamma, so their exponents stay <= 0 too.
+    x_list = [_pad_axis(x.reshape(-1, C, K), 1, Cp) for x in x_list]
+    k_XCK = _pad_axis(k_XCK.reshape(-1, C, K), 1, Cp)
+    Gamma_XCK = _pad_axis(Gamma_XCK.reshape(-1, C, K), 1, Cp, mode="edge")
+
+    def tiles(x_XCK):
+        return x_XCK.reshape(-1, n_tiles, tile, K)  # [X, T, S, K]: T sub-tiles of S tokens
+
+    # Within a sub-tile: pairwise decay [X, T, S, S, K], placed on the block diagonal of [T, S, T, S].
+    Gamma_XTSK = tiles(Gamma_XCK)
+    causal_SS1 = jnp.tril(jnp.ones((tile, tile), bool))[..., None]
+    diff_XTSSK = Gamma_XTSK[..., :, None, :] - Gamma_XTSK[..., None, :, :]
+    k_decayed_XTSSK = tiles(k_XCK)[..., None, :, :] * jnp.exp(jnp.where(causal_SS1, diff_XTSSK, -jnp.inf))
+    eye_TT = jnp.eye(n_tiles, dtype=k_XCK.dtype)
+    scores_XTSTS = []
+    for x_XCK in x_list:
+        within_XTSS = jnp.einsum("xtik,xtijk->xtij", tiles(x_XCK), k_decayed_XTSSK, precision=_PRECISION)
+        scores_XTSTS.append(jnp.einsum("xtij,tu->xtiuj", within_XTSS, eye_TT))
+
+    if n_tiles > 1:
+        # Across sub-tiles, through Gamma_r of the token before each sub-tile (none before the first).
+        Gamma_ref_XT1K = jnp.concatenate(
+            [jnp.zeros_like(Gamma_XTSK[:, :1, -1:]), Gamma_XTSK[:, :-1, -1:]], axis=1
+        )
+        earlier_TC1 = (jnp.arange(Cp)[None, :] < tile * jnp.arange(n_tiles)[:, None])[..., None]
+        to_ref_XTCK = jnp.where(earlier_TC1, Gamma_ref_XT1K - Gamma_XCK[:, None], -jnp.inf)
+        k_ref_XTCK = k_XCK[:, None] * jnp.exp(to_ref_XTCK)
+        from_ref_XTSK = jnp.exp(Gamma_XTSK - Gamma_ref_XT1K)
+        scores_XTSTS = [
+            s_XTSTS
+            + jnp.einsum(
+                "xtik,xtck->xtic", tiles(x_XCK) * from_ref_XTSK, k_ref_XTCK, precision=_PRECISION
+            ).reshape(s_XTSTS.shape)
+            for s_XTSTS, x_XCK in zip(scores_XTSTS, x_list)
+        ]
+    return [s_XTSTS.reshape(-1, Cp, Cp)[:, :C, :C].reshape(*batch, C, C) for s_XTSTS in scores_XTSTS]
 
 
 def chunk_kda_reference(
@@ -214,7 +310,7 @@ def chunk_kda_reference(
     cu_seqlens=None,
     chunk_size=64,
 ):
-    """KDA in the chunked WY/UT form (fla's algorithm) in plain jnp, a `lax.scan` over chunks.
+    """KDA in the chunked WY/UT form (fla's algorithm) in plain jnp.
 
     Within a chunk of C tokens, Gamma = cumsum(g) and, for tokens i, j of the same document,
       Aqk[i, j] = scale * sum_d q_id k_jd exp(Gamma_id - Gamma_jd)     (j <= i)
@@ -226,6 +322,12 @@ def chunk_kda_reference(
       S    <- Diag(exp(Gamma_last)) S + (k * exp(Gamma_last - Gamma))^T v_new.
     Only exponents <= 0 are ever exponentiated, so nothing overflows for any gate (including the
     unbounded softplus gate); document resets are masks on these terms.
+
+    Everything that does not involve S (Gamma, Aqk, L, w, u and the decayed q and k) is computed for
+    all chunks at once; only the state recurrence (v_new and the S update) is a `lax.scan` over
+    chunks, and the outputs are assembled from the per-chunk incoming states after it. Inside a chunk,
+    Aqk, L and (I + L)^-1 are built from sub-tiles of `_SUBTILE` = 8 tokens (`_decayed_scores`,
+    `_solve_unit_lower`), so the pairwise decay tensor is [..., C / 8, 8, 8, K], not [..., C, C, K].
 
     Args:
       q, k: [B, T, H, K] queries and keys.
@@ -266,55 +368,57 @@ def chunk_kda_reference(
     # document's past.
     prev_doc_NB = jnp.concatenate([doc_NBC[:1, :, 0], doc_NBC[:-1, :, -1]], axis=0)
 
+    # ---- Intra-chunk terms, for all chunks at once ----
+    Gamma_NBHCK = jnp.cumsum(g_NBHCK, axis=-2)
+    Gamma_last_NBH1K = Gamma_NBHCK[..., -1:, :]
+
+    # The causal mask is applied before exp inside `_decayed_scores`; within the causal triangle no
+    # exponent is positive, so the document mask can come after.
+    tile = min(C, _SUBTILE)
+    qk_NBHCC, kk_NBHCC = _decayed_scores([q_NBHCK, k_NBHCK], k_NBHCK, Gamma_NBHCK, tile)
+    same_doc_NB1CC = (doc_NBC[..., :, None] == doc_NBC[..., None, :])[:, :, None]
     causal_CC = jnp.tril(jnp.ones((C, C), bool))
     strict_CC = jnp.tril(jnp.ones((C, C), bool), k=-1)
-    eye_CC = jnp.eye(C, dtype=dtype)
+    Aqk_NBHCC = jnp.where(causal_CC & same_doc_NB1CC, scale * qk_NBHCC, 0.0)
+    L_NBHCC = beta_NBHC1 * jnp.where(strict_CC & same_doc_NB1CC, kk_NBHCC, 0.0)
 
+    # One application of T = (I + L)^-1 to both right-hand sides (matmuls only, no triangular solve).
+    rhs_NBHCM = jnp.concatenate([beta_NBHC1 * k_NBHCK * jnp.exp(Gamma_NBHCK), beta_NBHC1 * v_NBHCV], -1)
+    wu_NBHCM = _solve_unit_lower(
+        L_NBHCC.reshape(N * B * H, C, C), rhs_NBHCM.reshape(N * B * H, C, K + V), tile
+    ).reshape(N, B, H, C, K + V)
+
+    # Tokens of documents that start inside a chunk never see the incoming state. T is block
+    # diagonal over documents, so zeroing rows of w equals zeroing them in the right-hand side.
+    sees_state_NB1C1 = (doc_NBC == prev_doc_NB[..., None])[:, :, None, :, None]
+    w_NBHCK = jnp.where(sees_state_NB1C1, wu_NBHCM[..., :K], 0.0)
+    u_NBHCV = wu_NBHCM[..., K:]
+    q_decayed_NBHCK = jnp.where(sees_state_NB1C1, scale * q_NBHCK * jnp.exp(Gamma_NBHCK), 0.0)
+
+    # The outgoing state belongs to the chunk's last document: earlier documents' writes are
+    # dropped, and so is the old state if that document started inside the chunk.
+    in_last_doc_NB1C1 = (doc_NBC == doc_NBC[..., -1:])[:, :, None, :, None]
+    k_decayed_NBHCK = jnp.where(in_last_doc_NB1C1, k_NBHCK * jnp.exp(Gamma_last_NBH1K - Gamma_NBHCK), 0.0)
+    state_decay_NBHK1 = jnp.where(
+        sees_state_NB1C1[..., -1:, :], jnp.exp(Gamma_last_NBH1K), 0.0
+    ).swapaxes(-1, -2)
+
+    # ---- State recurrence over chunks ----
     def step(S_BHKV, xs):
-        q_BHCK, k_BHCK, v_BHCV, g_BHCK, beta_BHC1, doc_BC, prev_doc_B = xs
-        Gamma_BHCK = jnp.cumsum(g_BHCK, axis=-2)
-        Gamma_last_BH1K = Gamma_BHCK[..., -1:, :]
-
-        same_doc_BCC = doc_BC[:, :, None] == doc_BC[:, None, :]
-        pair_B1CC1 = (causal_CC & same_doc_BCC)[:, None, :, :, None]
-        # Mask BEFORE exp: for j > i the exponent is positive and unbounded (inf for steep gates,
-        # and NaN gradients even when masked afterwards).
-        diff_BHCCK = Gamma_BHCK[..., :, None, :] - Gamma_BHCK[..., None, :, :]
-        decay_BHCCK = jnp.exp(jnp.where(pair_B1CC1, diff_BHCCK, -jnp.inf))
-        Aqk_BHCC = scale * jnp.sum(q_BHCK[..., :, None, :] * k_BHCK[..., None, :, :] * decay_BHCCK, -1)
-        kk_BHCC = jnp.sum(k_BHCK[..., :, None, :] * k_BHCK[..., None, :, :] * decay_BHCCK, -1)
-        L_BHCC = beta_BHC1 * jnp.where(strict_CC, kk_BHCC, 0.0)
-
-        # One triangular solve applies T = (I + L)^-1 to both right-hand sides.
-        rhs_BHCM = jnp.concatenate([beta_BHC1 * k_BHCK * jnp.exp(Gamma_BHCK), beta_BHC1 * v_BHCV], -1)
-        wu_BHCM = _apply_unit_lower_inverse(L_BHCC, rhs_BHCM)
-
-        # Tokens of documents that start inside this chunk never see the incoming state. T is block
-        # diagonal over documents, so zeroing rows of w equals zeroing them in the right-hand side.
-        sees_state_B1C1 = (doc_BC == prev_doc_B[:, None])[:, None, :, None]
-        w_BHCK = jnp.where(sees_state_B1C1, wu_BHCM[..., :K], 0.0)
-        u_BHCV = wu_BHCM[..., K:]
+        w_BHCK, u_BHCV, k_decayed_BHCK, state_decay_BHK1 = xs
         v_new_BHCV = u_BHCV - jnp.einsum("bhck,bhkv->bhcv", w_BHCK, S_BHKV, precision=_PRECISION)
-
-        q_decayed_BHCK = jnp.where(sees_state_B1C1, scale * q_BHCK * jnp.exp(Gamma_BHCK), 0.0)
-        o_BHCV = jnp.einsum("bhck,bhkv->bhcv", q_decayed_BHCK, S_BHKV, precision=_PRECISION)
-        o_BHCV = o_BHCV + jnp.einsum("bhij,bhjv->bhiv", Aqk_BHCC, v_new_BHCV, precision=_PRECISION)
-
-        # The outgoing state belongs to the chunk's last document: earlier documents' writes are
-        # dropped, and so is the old state if that document started inside the chunk.
-        in_last_doc_B1C1 = (doc_BC == doc_BC[:, -1:])[:, None, :, None]
-        k_decayed_BHCK = jnp.where(in_last_doc_B1C1, k_BHCK * jnp.exp(Gamma_last_BH1K - Gamma_BHCK), 0.0)
-        S_kept_BHKV = jnp.where(
-            sees_state_B1C1[:, :, -1:], jnp.exp(Gamma_last_BH1K).swapaxes(-1, -2) * S_BHKV, 0.0
-        )
-        S_BHKV = S_kept_BHKV + jnp.einsum(
+        S_next_BHKV = state_decay_BHK1 * S_BHKV + jnp.einsum(
             "bhck,bhcv->bhkv", k_decayed_BHCK, v_new_BHCV, precision=_PRECISION
         )
-        return S_BHKV, o_BHCV
+        return S_next_BHKV, (S_BHKV, v_new_BHCV)
 
     S0_BHKV = _initial_state(initial_state, B, H, K, V, dtype)
-    xs = (q_NBHCK, k_NBHCK, v_NBHCV, g_NBHCK, beta_NBHC1, doc_NBC, prev_doc_NB)
-    S_BHKV, o_NBHCV = lax.scan(step, S0_BHKV, xs)
+    xs = (w_NBHCK, u_NBHCV, k_decayed_NBHCK, state_decay_NBHK1)
+    S_BHKV, (S_in_NBHKV, v_new_NBHCV) = lax.scan(step, S0_BHKV, xs)
+
+    # ---- Outputs, for all chunks at once ----
+    o_NBHCV = jnp.einsum("nbhck,nbhkv->nbhcv", q_decayed_NBHCK, S_in_NBHKV, precision=_PRECISION)
+    o_NBHCV = o_NBHCV + jnp.einsum("nbhij,nbhjv->nbhiv", Aqk_NBHCC, v_new_NBHCV, precision=_PRECISION)
     o_BTHV = o_NBHCV.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o_BTHV.astype(jnp.asarray(v).dtype), (S_BHKV if output_final_state else None)
 
