@@ -21,7 +21,7 @@ def default_config() -> ConfigDict:
     c = ConfigDict()
     c.name = "k3_tiny"
     c.seed = 0
-    c.steps = 300  # optimizer steps
+    c.steps = 150  # optimizer steps
 
     m = c.model = ConfigDict()
     m.style = "k3"  # 'k3' or 'k2': documentation only, the knobs below decide

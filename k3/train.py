@@ -343,16 +343,19 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
                                f"(step {mngr.latest_step()}) is kept in {workdir / 'checkpoints'}")
             steps_since += 1
             done = step + 1
+            if step == start:  # keep compilation out of tokens/s
+                t_last, steps_since = time.perf_counter(), 0
             if done % cfg.train.log_every == 0 or done == cfg.steps:
                 dt = time.perf_counter() - t_last
-                tps = steps_since * tokens_per_step / dt
+                tps = steps_since * tokens_per_step / dt if steps_since else None
                 last = {"step": done, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                        "tokens_per_s": tps, "mfu": (tps * flops_tok / peak) if peak else None,
+                        "tokens_per_s": tps, "mfu": (tps * flops_tok / peak) if peak and tps else None,
                         "expert_imbalance": [round(float(x), 4) for x in m["expert_imbalance"]]}
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                    writer.add_scalar(f"train/{key}", last[key], done)
+                    if last[key] is not None:
+                        writer.add_scalar(f"train/{key}", last[key], done)
                 if last["expert_imbalance"]:
                     writer.add_scalar("train/max_expert_imbalance", max(last["expert_imbalance"]), done)
                 t_last, steps_since = time.perf_counter(), 0
@@ -366,7 +369,7 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
             if done % cfg.train.ckpt_every == 0 or done == cfg.steps:
                 save_checkpoint(mngr, state, train_iter.get_state(), cfg)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last.get('tokens_per_s', 0):.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last.get('tokens_per_s') or 0:.0f}")
     mngr.wait_until_finished()
     mngr.close()
     bar.close()

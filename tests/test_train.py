@@ -1,6 +1,7 @@
 """Training launcher: resume after SIGKILL, bad inputs, learning on the default corpus, eval, sample."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -55,6 +56,15 @@ def finished_run(tmp_path_factory):
     return workdir
 
 
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory):
+    """A 30-step run of the same small K3 at a higher learning rate."""
+    workdir = tmp_path_factory.mktemp("run") / "learn"
+    launch("launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=30", "--config.train.ckpt_every=30",
+           "--config.optim.lr=0.02", "--config.optim.adam_lr=0.02", check=True)
+    return workdir
+
+
 def test_resume_after_sigkill_reproduces_losses(finished_run, tmp_path):
     workdir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=8",
@@ -78,7 +88,11 @@ def test_resume_after_sigkill_reproduces_losses(finished_run, tmp_path):
     assert metrics(workdir) == metrics(finished_run)  # bit-identical losses, grad norms and lrs
 
 
-def test_short_run_learns(finished_run):
+def test_short_run_learns(finished_run, learning_run):
+    rows = metrics(learning_run)
+    initial = math.log(512)
+    assert abs(rows[0][1] - initial) < 0.3  # starts near ln(vocab)
+    assert rows[-1][1] < initial - 1.0, rows  # and learns well below it
     rows = metrics(finished_run)
     assert len(rows) == 8 and [r[0] for r in rows] == list(range(1, 9))
     log = [json.loads(ln) for ln in (finished_run / "metrics.jsonl").read_text().splitlines()]
