@@ -68,14 +68,6 @@ class Run:
     eval_step: Any
 
 
-def init_state(cfg):
-    """(graphdef, state) for a fresh run: state = {'params', 'rest', 'opt', 'step'}."""
-    graphdef, params, rest = init_model(cfg)
-    tx, _ = optim.build_optimizer(cfg, params)
-    return graphdef, {"params": params, "rest": rest, "opt": jax.jit(tx.init)(params),
-                      "step": jnp.zeros((), jnp.int32)}
-
-
 def init_model(cfg):
     """(graphdef, params, rest) of a freshly initialised model, built inside one ``jax.jit``.
 
@@ -102,9 +94,13 @@ def _combine_stats(stats_A: Any, balancing: str) -> Any:
 
 
 def make_run(cfg) -> tuple[Run, dict]:
-    """Builds the model, optimizer and jitted steps; returns (run, fresh state)."""
-    graphdef, state = init_state(cfg)
-    tx, schedule = optim.build_optimizer(cfg, state["params"])
+    """Builds the model, optimizer and jitted steps; returns (run, fresh state).
+
+    state = {'params', 'rest' (router biases), 'opt', 'step'}.
+    """
+    graphdef, params, rest = init_model(cfg)
+    tx, schedule = optim.build_optimizer(cfg, params)
+    state = {"params": params, "rest": rest, "opt": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
     accum = cfg.optim.grad_accum
 
     def loss_fn(params, rest, batch):
