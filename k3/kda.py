@@ -110,7 +110,8 @@ class KDA(nnx.Module):
         g, beta = self.gates(x)
         o, state = kda_core(q, k, v, g, beta, impl=self.impl, initial_state=initial_state,
                             output_final_state=return_state, segment_ids=segment_ids_BT,
-                            chunk_size=self.chunk_size)
+                            chunk_size=self.chunk_size,
+                            gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
         o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
         gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
         o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)

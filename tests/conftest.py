@@ -39,6 +39,17 @@ def tiny_model_cfg(**overrides):
 
 
 @pytest.fixture
+def x64():
+    """float64 for this test only, so other test files keep jax's default."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
 def small_cfg():
     return tiny_model_cfg()
 

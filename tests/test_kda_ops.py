@@ -15,17 +15,6 @@ H, K, V = 2, 8, 6
 LOWER_BOUND = -5.0
 
 
-@pytest.fixture
-def x64():
-    """float64 for this test only, so other test files keep jax's default."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 # One compiled function per (shape, static flags), shared by all tests.
 recurrent = jax.jit(kda.recurrent_kda, static_argnames=("output_final_state",))
 chunk = jax.jit(kda.chunk_kda_reference, static_argnames=("output_final_state", "chunk_size"))
@@ -345,8 +334,17 @@ def test_kda_core_pallas_forwards_kwargs(monkeypatch):
     (args, kwargs), = calls
     assert len(args) == 5 and args[0] is q
     assert kwargs == dict(
-        scale=0.5, initial_state=h0, output_final_state=True, segment_ids=seg, chunk_size=32
+        scale=0.5, initial_state=h0, output_final_state=True, segment_ids=seg, chunk_size=32,
+        lower_bound=-5.0,
     )
+
+
+def test_kda_core_pallas_unbounded_gate_uses_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kda, "chunk_kda_reference", lambda *a, **kw: calls.append(kw) or ("o", "S"))
+    monkeypatch.setitem(sys.modules, "pallas_kernels.kda", None)  # the kernel must not be needed
+    assert kda.kda_core(*_f32_inputs()[:5], impl="pallas", gate_lower_bound=None) == ("o", "S")
+    assert len(calls) == 1
 
 
 def test_kda_core_pallas_unavailable(monkeypatch):

@@ -514,6 +514,7 @@ def kda_core(
     output_final_state=False,
     segment_ids=None,
     chunk_size=64,
+    gate_lower_bound=-5.0,
 ):
     """The one entry point the layer calls: runs KDA with the implementation named by `impl`.
 
@@ -529,6 +530,9 @@ def kda_core(
       output_final_state: whether to return the state after the last token.
       segment_ids: optional [B, T] ints marking packed documents.
       chunk_size: tokens per chunk for 'chunk' and 'pallas'; ignored by 'recurrent'.
+      gate_lower_bound: the bound g >= gate_lower_bound the gate guarantees, or None for an unbounded
+        gate. The Pallas kernel relies on it (16-token sub-tiles as dense matmuls), so 'pallas' with
+        None runs the chunked reference instead.
 
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
@@ -544,6 +548,6 @@ def kda_core(
     )
     if impl == "recurrent":
         return recurrent_kda(q, k, v, g, beta, **kwargs)
-    if impl == "chunk":
+    if impl == "chunk" or gate_lower_bound is None:
         return chunk_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
-    return _pallas_chunk_kda()(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+    return _pallas_chunk_kda()(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=gate_lower_bound, **kwargs)

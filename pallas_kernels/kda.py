@@ -1,0 +1,610 @@
+"""Chunked Kimi Delta Attention in Pallas: forward and backward kernels for a lower-bounded gate.
+
+Math (per row b, head h; fla's conventions, see `k3.ops.kda`): within a chunk of C tokens with
+Gamma = cumsum(g) (chunk-local, fp32) and tokens i, j of the same document,
+
+    Aqk[i, j] = scale * sum_d q_id k_jd exp(Gamma_id - Gamma_jd)    (j <= i)
+    L[i, j]   = beta_i * sum_d k_id k_jd exp(Gamma_id - Gamma_jd)   (j < i)
+    T = (I + L)^-1,  w = T (beta k exp(Gamma)),  u = T (beta v)
+    v_new = u - w S,  o = (scale q exp(Gamma)) S + Aqk v_new
+    S <- Diag(exp(Gamma_last)) S + (k exp(Gamma_last - Gamma))^T v_new
+
+Why the lower bound matters. Aqk and L need exp(Gamma_i - Gamma_j) as a matmul, i.e. split into a
+row factor exp(Gamma_i - mu) and a column factor exp(mu - Gamma_j) around a reference mu. Over a
+whole 64-token chunk the factors overflow; over a 16-token sub-tile they cannot when g >= -5
+(|Gamma - mu| <= 8 * 5 = 40 nats around the sub-tile's middle token). So every 16 x 16 sub-tile is
+one dense matmul: diagonal tiles around their middle token, off-diagonal tiles (row block r, column
+block c < r) around Gamma at the last token of block c, where both factors are <= 1 for any gate.
+There is no element-wise pairwise-decay path. The kernel accepts -10 <= lower_bound < 0 (40 -> 80
+nats, still finite in fp32) and clamps g into [lower_bound, 0]; an unbounded (softplus) gate must use
+the reference path (`k3.ops.kda.kda_core` does this).
+
+Kernels (each one `pallas_call`; grids over chunks are parallel, grids over value blocks walk the
+chunks in a `fori_loop` with the fp32 state in registers):
+
+    forward   _intra_fwd   (NT, H, B)   Aqk, L by sub-tiles; T by 16x16 Neumann blocks; w, u
+              _state_fwd   (V/BV, H, B) v_new, o, the state chain; saves the per-chunk states h
+    backward  _state_bwd   (V/BV, H, B) reverse chain: dh per chunk, dv_new, d initial state
+              _intra_bwd   (NT, H, B)   dq, dk, dv, dbeta, dGamma from dh, dv_new and the saved T
+
+Gamma's cumsum, padding and the masks for packed documents are plain XLA around a `custom_vjp`
+core, so JAX differentiates them (dg is the reverse cumsum of dGamma).
+
+Document boundaries (`segment_ids`) are masks inside the kernels: pairs of tokens from different
+documents are zeroed in Aqk and L (T is then block diagonal over documents), tokens of a document
+that starts inside a chunk do not see the incoming state, and only the chunk's last document writes
+the outgoing state. T need not be a multiple of C: padding with k = v = beta = g = 0 leaves the state
+unchanged.
+
+Backend. The GPU path is the Pallas Triton lowering: it lowers `dot_general` with 16-row operands,
+which is exactly the 16 x 16 sub-tile structure above, and the same kernel source runs in interpret
+mode on the CPU (JAX 0.10.2) and compiled on the H200 (JAX 0.11.2). Mosaic GPU, the backend JAX
+recommends, has no `dot_general` lowering; its wgmma needs M % 64 == 0 and its Python API changes
+between the two JAX versions this code must support, so a Mosaic GPU variant would be a second
+kernel that the CPU tests cannot interpret. BENCHMARKS.md has the measured times against fla.
+
+Precision: gates, Gamma, the state and every accumulator are fp32, and the 16 x 16 inverses are
+full fp32. With fp32 inputs every matmul is full fp32. With bf16 inputs the other matmuls take fp32
+operands that the GPU runs as TF32 (`matmul_dtype='float32'`, the default), or bf16 operands and
+bf16 storage of the intermediates (`matmul_dtype='bfloat16'`). Rounding the output to bf16 alone
+costs a relative error of about 1.1e-3, so bf16 intermediates (another ~2.5e-3) do not meet a 2e-3
+bound on the forward error against a float64 reference while TF32 ones do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from k3.ops.kda import _document_index, _validate
+
+__all__ = ["chunk_kda"]
+
+_SUB = 16  # sub-tile: the unit of every dense matmul inside a chunk
+_CHUNKS = (16, 32, 64)
+_MIN_LOWER_BOUND = -10.0  # 8 tokens * 10 nats = 80 < log(float32 max) = 88.7
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    """Static configuration shared by the kernels (hashable: it is a custom_vjp nondiff argument)."""
+
+    C: int  # chunk
+    K: int  # padded key dim
+    V: int  # padded value dim
+    BV: int  # value block of the sequential kernels
+    NT: int  # chunks per row
+    scale: float
+    mm_dtype: str  # operand and storage dtype of the large matmuls: 'bfloat16' or 'float32'
+    h_dtype: str  # storage of the per-chunk states and their gradients
+    interpret: bool
+    exact: bool  # full-fp32 matmuls; otherwise fp32 operands may run as TF32 on the GPU
+    num_warps: int = 4
+
+    @property
+    def md(self):
+        return jnp.dtype(self.mm_dtype)
+
+    @property
+    def prec_mm(self):
+        return lax.Precision.HIGHEST if self.exact else lax.Precision.DEFAULT
+
+    @property
+    def prec_tile(self):
+        return lax.Precision.HIGHEST if self.exact else lax.Precision.DEFAULT
+
+
+_HI = lax.Precision.HIGHEST
+
+
+def _mm(a, b, prec):
+    """[M, K] @ [K, N] -> [M, N] fp32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def _mm_nt(a, b, prec):
+    """[M, K] @ [N, K]^T -> [M, N] fp32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def _mm_tn(a, b, prec):
+    """[K, M]^T @ [K, N] -> [M, N] fp32."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def _tile_masks():
+    row = lax.broadcasted_iota(jnp.int32, (_SUB, _SUB), 0)
+    col = lax.broadcasted_iota(jnp.int32, (_SUB, _SUB), 1)
+    return (row == col).astype(jnp.float32), row >= col, row > col
+
+
+def _neumann_inverse(L, eye):
+    """(I + L)^-1 of a strictly lower 16 x 16 tile: (I - L)(I + L^2)(I + L^4)(I + L^8), exact as L^16 = 0."""
+    P = eye - L
+    X = _mm(L, L, _HI)
+    for _ in range(3):
+        P = P + _mm(P, X, _HI)
+        X = _mm(X, X, _HI)
+    return P
+
+
+def _load_tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb):
+    """Per 16-token sub-tile: inputs in fp32 and the exp factors of both factorisations."""
+    f32 = jnp.float32
+    tiles = []
+    for r in range(nb):
+        rows = pl.ds(r * _SUB, _SUB)
+        G = G_ref[rows, :]
+        G_first = G_ref[pl.ds(r * _SUB, 1), :]
+        G_mid = G_ref[pl.ds(r * _SUB + _SUB // 2, 1), :]
+        G_last = G_ref[pl.ds(r * _SUB + _SUB - 1, 1), :]
+        q, k = q_ref[rows, :].astype(f32), k_ref[rows, :].astype(f32)
+        e_mid = jnp.exp(G - G_mid)  # within e^{+-40}: the diagonal tile's row factor
+        e_mid_inv = jnp.exp(G_mid - G)
+        e_first = jnp.exp(G - G_first)  # <= 1: off-diagonal row factor (times a vector <= 1)
+        e_last = jnp.exp(G_last - G)  # <= 1: off-diagonal column factor (times a vector <= 1)
+        tiles.append(dict(
+            q=q, k=k, G=G, G_first=G_first, G_last=G_last,
+            beta=beta_ref[rows].astype(f32)[:, None], doc=doc_ref[rows], mf=mf_ref[rows][:, None],
+            e_mid=e_mid, e_mid_inv=e_mid_inv, e_first=e_first, e_last=e_last,
+            qd=q * e_mid, kd=k * e_mid, ku=k * e_mid_inv, qf=q * e_first, kf=k * e_first,
+        ))
+    return tiles
+
+
+def _pair(tiles, r, c):
+    """Operands of sub-tile (r, c <= r): (q rows, k rows, row factor, k columns, column factor)."""
+    tr, tc = tiles[r], tiles[c]
+    if r == c:
+        return tr["qd"], tr["kd"], tr["e_mid"], tr["ku"], tr["e_mid_inv"]
+    link = jnp.exp(tr["G_first"] - tc["G_last"])  # [1, K], <= 1
+    col_factor = tc["e_last"] * link
+    return tr["qf"], tr["kf"], tr["e_first"], tc["k"] * col_factor, col_factor
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref,
+                      w_ref, u_ref, aqk_ref, t_ref, *, cfg: _Cfg):
+    """One chunk: Aqk [C, C], T = (I + L)^-1 [C, C], w [C, K], u [C, V]."""
+    nb, md, pt = cfg.C // _SUB, cfg.md, cfg.prec_tile
+    eye, causal, strict = _tile_masks()
+    tiles = _load_tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
+    zero = jnp.zeros((_SUB, _SUB), jnp.float32)
+
+    Lb = [[None] * nb for _ in range(nb)]
+    for r in range(nb):
+        for c in range(nb):
+            cols = pl.ds(c * _SUB, _SUB)
+            if c > r:
+                aqk_ref[pl.ds(r * _SUB, _SUB), cols] = zero.astype(aqk_ref.dtype)
+                continue
+            rq, rk, _, col, _ = _pair(tiles, r, c)
+            same = tiles[r]["doc"][:, None] == tiles[c]["doc"][None, :]
+            qk = _mm_nt(rq, col, pt)
+            kk = _mm_nt(rk, col, pt)
+            mask_a, mask_l = (causal & same, strict & same) if r == c else (same, same)
+            aqk_ref[pl.ds(r * _SUB, _SUB), cols] = jnp.where(mask_a, cfg.scale * qk, 0.0).astype(aqk_ref.dtype)
+            Lb[r][c] = jnp.where(mask_l, tiles[r]["beta"] * kk, 0.0)
+
+    # Block forward substitution: T_rr = (I + L_rr)^-1, T_rc = -T_rr sum_{m=c}^{r-1} L_rm T_mc.
+    Tb = [[None] * nb for _ in range(nb)]
+    for r in range(nb):
+        Tb[r][r] = _neumann_inverse(Lb[r][r], eye)
+        for c in range(r - 1, -1, -1):
+            acc = _mm(Lb[r][c], Tb[c][c], _HI)
+            for m in range(c + 1, r):
+                acc = acc + _mm(Lb[r][m], Tb[m][c], _HI)
+            Tb[r][c] = -_mm(Tb[r][r], acc, _HI)
+        for c in range(nb):
+            t_ref[pl.ds(r * _SUB, _SUB), pl.ds(c * _SUB, _SUB)] = (Tb[r][c] if c <= r else zero)
+
+    kb = [(t["beta"] * t["mf"] * t["k"] * jnp.exp(t["G"])).astype(md) for t in tiles]
+    vb = [(tiles[c]["beta"] * v_ref[pl.ds(c * _SUB, _SUB), :].astype(jnp.float32)).astype(md)
+          for c in range(nb)]
+    for r in range(nb):
+        w = sum(_mm(Tb[r][c].astype(md), kb[c], cfg.prec_mm) for c in range(r + 1))
+        u = sum(_mm(Tb[r][c].astype(md), vb[c], cfg.prec_mm) for c in range(r + 1))
+        w_ref[pl.ds(r * _SUB, _SUB), :] = w.astype(w_ref.dtype)
+        u_ref[pl.ds(r * _SUB, _SUB), :] = u.astype(u_ref.dtype)
+
+
+def _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg):
+    """Decayed queries qg [C, K], keys kg [C, K] and the state decay [1, K] of chunk n."""
+    C = cfg.C
+    rows = pl.ds(n * C, C)
+    G = G_ref[rows, :]
+    G_last = G_ref[pl.ds(n * C + C - 1, 1), :]
+    mf, ml = mf_ref[rows][:, None], ml_ref[rows][:, None]
+    qg = cfg.scale * q_ref[rows, :].astype(jnp.float32) * jnp.exp(G) * mf
+    kg = k_ref[rows, :].astype(jnp.float32) * jnp.exp(G_last - G) * ml
+    # The old state survives the chunk only if the chunk's last token still belongs to its document.
+    decay = jnp.exp(G_last) * mf_ref[pl.ds(n * C + C - 1, 1)][None, :]
+    return qg, kg, decay
+
+
+def _state_fwd_kernel(q_ref, k_ref, G_ref, w_ref, u_ref, aqk_ref, mf_ref, ml_ref, h0_ref,
+                      o_ref, vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
+    """One (row, head, value block): the chunk chain. The state is kept transposed, St = S^T [BV, K]."""
+    C, md, pm = cfg.C, cfg.md, cfg.prec_mm
+
+    def body(n, St):
+        rows = pl.ds(n * C, C)
+        qg, kg, decay = _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg)
+        h_ref[n] = St.astype(h_ref.dtype)
+        Sm = St.astype(md)
+        vn = u_ref[rows, :].astype(jnp.float32) - _mm_nt(w_ref[rows, :], Sm, pm)
+        vnm = vn.astype(md)
+        o = _mm_nt(qg.astype(md), Sm, pm) + _mm(aqk_ref[rows, :], vnm, pm)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        vn_ref[rows, :] = vnm.astype(vn_ref.dtype)
+        return St * decay + _mm_tn(vnm, kg.astype(md), pm)
+
+    ht_ref[...] = lax.fori_loop(0, cfg.NT, body, h0_ref[...].astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+def _state_bwd_kernel(q_ref, k_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, ml_ref, dht_ref,
+                      dh_ref, dvn_ref, dh0_ref, *, cfg: _Cfg):
+    """Reverse chunk chain: dh_n (gradient of the state leaving chunk n), dv_new, d initial state."""
+    C, md, pm, NT = cfg.C, cfg.md, cfg.prec_mm, cfg.NT
+
+    def body(i, dSt):
+        n = NT - 1 - i
+        rows = pl.ds(n * C, C)
+        qg, kg, decay = _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg)
+        dh_ref[n] = dSt.astype(dh_ref.dtype)
+        dO = do_ref[rows, :].astype(md)
+        dvn = _mm_tn(aqk_ref[rows, :], dO, pm) + _mm_nt(kg.astype(md), dSt.astype(md), pm)
+        dvn_ref[rows, :] = dvn
+        return dSt * decay + _mm_tn(dO, qg.astype(md), pm) - _mm_tn(dvn.astype(md), w_ref[rows, :], pm)
+
+    dh0_ref[...] = lax.fori_loop(0, NT, body, dht_ref[...].astype(jnp.float32))
+
+
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_ref, t_ref,
+                      h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
+                      dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, cfg: _Cfg):
+    """One chunk: from dh (state gradient), dv_new and the saved T back to dq, dk, dv, dbeta, dGamma."""
+    f32, md, pm, pt, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.C
+    nb = C // _SUB
+    eye, causal, strict = _tile_masks()
+    del eye
+    tiles = _load_tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
+    G_end = G_ref[pl.ds(C - 1, 1), :]
+    keep_state = mf_ref[pl.ds(C - 1, 1)][None, :]
+    Sh = h_ref[...].astype(md)  # S_in^T [V, K]
+    dSh = dh_ref[...].astype(md)  # dS_out^T [V, K]
+    dd = jnp.sum(h_ref[...].astype(f32) * dh_ref[...].astype(f32), axis=0)[None, :]  # d decay [1, K]
+    Tb = [[t_ref[pl.ds(r * _SUB, _SUB), pl.ds(c * _SUB, _SUB)] for c in range(nb)] for r in range(nb)]
+
+    dq, dk, dG, dvb, dkb = [], [], [], [], []
+    dO, vn, dvn, dw, vb, kb = [], [], [], [], [], []
+    dG_end = keep_state * jnp.exp(G_end) * dd
+    for r, t in enumerate(tiles):
+        rows = pl.ds(r * _SUB, _SUB)
+        dO.append(do_ref[rows, :].astype(md))
+        vn.append(vn_ref[rows, :].astype(md))
+        dvn.append(dvn_ref[rows, :])
+        v = v_ref[rows, :].astype(f32)
+        ml = ml_ref[rows][:, None]
+        eG = jnp.exp(t["G"])
+        # o = qg S_in, qg = scale q e^Gamma (rows that see the state)
+        dqg = _mm(dO[r], Sh, pm)
+        qg = cfg.scale * t["q"] * eG * t["mf"]
+        dq.append(cfg.scale * eG * t["mf"] * dqg)
+        dG_r = qg * dqg
+        # S_out += kg^T v_new, kg = k e^{Gamma_end - Gamma} (rows of the last document)
+        dkg = _mm(vn[r], dSh, pm)
+        e_kg = jnp.exp(G_end - t["G"]) * ml
+        kg_dkg = t["k"] * e_kg * dkg
+        dk.append(e_kg * dkg)
+        dG_r = dG_r - kg_dkg
+        dG_end = dG_end + jnp.sum(kg_dkg, axis=0)[None, :]
+        dG.append(dG_r)
+        # v_new = u - w S_in
+        dw.append(-_mm(dvn[r].astype(md), Sh, pm))
+        vb.append(t["beta"] * v)
+        kb.append(t["beta"] * t["mf"] * t["k"] * eG)
+
+    # u = T (beta v), w = T kb: dT (lower blocks), then back to v, beta, k, Gamma.
+    dT = [[None] * nb for _ in range(nb)]
+    dbeta = []
+    dv = []
+    for c in range(nb):
+        dvb_c = sum(_mm_tn(Tb[r][c], dvn[r], _HI) for r in range(c, nb))
+        dkb_c = sum(_mm_tn(Tb[r][c], dw[r], _HI) for r in range(c, nb))
+        t = tiles[c]
+        eG = jnp.exp(t["G"])
+        dv.append(t["beta"] * dvb_c)
+        dbeta.append(jnp.sum(v_ref[pl.ds(c * _SUB, _SUB), :].astype(f32) * dvb_c, axis=1)
+                     + t["mf"][:, 0] * jnp.sum(t["k"] * eG * dkb_c, axis=1))
+        dk[c] = dk[c] + t["beta"] * t["mf"] * eG * dkb_c
+        dG[c] = dG[c] + kb[c] * dkb_c
+    for r in range(nb):
+        for c in range(r + 1):
+            dT[r][c] = _mm_nt(dvn[r], vb[c], _HI) + _mm_nt(dw[r], kb[c], _HI)
+
+    # T = (I + L)^-1  =>  dL = -T^T dT T^T, restricted to the strictly lower part.
+    Z = [[None] * nb for _ in range(nb)]
+    for a in range(nb):
+        for c in range(a + 1):
+            Z[a][c] = sum(_mm_nt(dT[a][b], Tb[c][b], _HI) for b in range(c + 1))
+    for r in range(nb):
+        t = tiles[r]
+        for c in range(r + 1):
+            dL = -sum(_mm_tn(Tb[a][r], Z[a][c], _HI) for a in range(r, nb))
+            rq, rk, row_f, col, col_f = _pair(tiles, r, c)
+            same = t["doc"][:, None] == tiles[c]["doc"][None, :]
+            mask_a, mask_l = (causal & same, strict & same) if r == c else (same, same)
+            dA = jnp.where(mask_a, cfg.scale * _mm_nt(dO[r], vn[c], pm), 0.0)
+            dL = jnp.where(mask_l, dL, 0.0)
+            kk = _mm_nt(rk, col, pt)
+            dbeta[r] = dbeta[r] + jnp.sum(dL * kk, axis=1)
+            dP = t["beta"] * dL
+            Xq = _mm(dA, col, pt)
+            Xk = _mm(dP, col, pt)
+            dq[r] = dq[r] + row_f * Xq
+            dk[r] = dk[r] + row_f * Xk
+            dG[r] = dG[r] + rq * Xq + rk * Xk
+            Y = _mm_tn(dA, rq, pt) + _mm_tn(dP, rk, pt)
+            dk[c] = dk[c] + col_f * Y
+            dG[c] = dG[c] - col * Y
+
+    last_row = lax.broadcasted_iota(jnp.int32, (_SUB, 1), 0) == _SUB - 1
+    dG[nb - 1] = dG[nb - 1] + jnp.where(last_row, dG_end, 0.0)
+    for r in range(nb):
+        rows = pl.ds(r * _SUB, _SUB)
+        dq_ref[rows, :] = dq[r].astype(dq_ref.dtype)
+        dk_ref[rows, :] = dk[r].astype(dk_ref.dtype)
+        dv_ref[rows, :] = dv[r].astype(dv_ref.dtype)
+        dbeta_ref[rows] = dbeta[r].astype(dbeta_ref.dtype)
+        dG_ref[rows, :] = dG[r]
+
+
+# ----------------------------------------------------------------------------------------------------
+# pallas_call wrappers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _compiler_params(cfg):
+    if cfg.interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
+
+
+def _chunk_specs(cfg, B, H):
+    """BlockSpecs for the chunk-parallel grid (NT, H, B)."""
+    C = cfg.C
+
+    def tok(D):
+        return pl.BlockSpec((None, C, None, D), lambda n, h, b: (b, n, h, 0))
+
+    per_tok = pl.BlockSpec((None, C, None), lambda n, h, b: (b, n, h))
+    per_row = pl.BlockSpec((None, C), lambda n, h, b: (b, n))
+    state = pl.BlockSpec((None, None, None, cfg.V, cfg.K), lambda n, h, b: (b, n, h, 0, 0))
+    return tok, per_tok, per_row, state
+
+
+def _seq_specs(cfg):
+    """BlockSpecs for the value-block grid (V / BV, H, B): whole rows, walked inside the kernel."""
+    Tp = cfg.NT * cfg.C
+
+    def tok(D):
+        return pl.BlockSpec((None, Tp, None, D), lambda j, h, b: (b, 0, h, 0))
+
+    vblk = pl.BlockSpec((None, Tp, None, cfg.BV), lambda j, h, b: (b, 0, h, j))
+    per_row = pl.BlockSpec((None, Tp), lambda j, h, b: (b, 0))
+    states = pl.BlockSpec((None, cfg.NT, None, cfg.BV, cfg.K), lambda j, h, b: (b, 0, h, j, 0))
+    one_state = pl.BlockSpec((None, None, cfg.BV, cfg.K), lambda j, h, b: (b, h, j, 0))
+    return tok, vblk, per_row, states, one_state
+
+
+def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+    B, Tp, H, _ = q.shape
+    C, K, V, NT, md = cfg.C, cfg.K, cfg.V, cfg.NT, cfg.md
+    tok, per_tok, per_row, _ = _chunk_specs(cfg, B, H)
+    w, u, aqk, T = pl.pallas_call(
+        functools.partial(_intra_fwd_kernel, cfg=cfg),
+        grid=(NT, H, B),
+        in_specs=[tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row],
+        out_specs=[tok(K), tok(V), tok(C), tok(C)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), md), jax.ShapeDtypeStruct((B, Tp, H, V), md),
+                   jax.ShapeDtypeStruct((B, Tp, H, C), md),
+                   jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)],
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_intra_fwd",
+    )(q, k, v, G, beta, doc, mf)
+
+    stok, vblk, srow, states, one_state = _seq_specs(cfg)
+    o, vn, h, ht = pl.pallas_call(
+        functools.partial(_state_fwd_kernel, cfg=cfg),
+        grid=(V // cfg.BV, H, B),
+        in_specs=[stok(K), stok(K), stok(K), stok(K), vblk, stok(C), srow, srow, one_state],
+        out_specs=[vblk, vblk, states, one_state],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H, V), md),
+                   jax.ShapeDtypeStruct((B, NT, H, V, K), cfg.h_dtype),
+                   jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_state_fwd",
+    )(q, k, G, w, u, aqk, mf, ml, h0t)
+    return o, ht, (w, aqk, T, h, vn)
+
+
+def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, do, dht):
+    B, Tp, H, _ = q.shape
+    C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
+    stok, vblk, srow, states, one_state = _seq_specs(cfg)
+    dh, dvn, dh0 = pl.pallas_call(
+        functools.partial(_state_bwd_kernel, cfg=cfg),
+        grid=(V // cfg.BV, H, B),
+        in_specs=[stok(K), stok(K), stok(K), stok(K), stok(C), vblk, srow, srow, one_state],
+        out_specs=[states, vblk, one_state],
+        out_shape=[jax.ShapeDtypeStruct((B, NT, H, V, K), cfg.h_dtype),
+                   jax.ShapeDtypeStruct((B, Tp, H, V), jnp.float32),
+                   jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_state_bwd",
+    )(q, k, G, w, aqk, do, mf, ml, dht)
+
+    tok, per_tok, per_row, state = _chunk_specs(cfg, B, H)
+    dq, dk, dv, dbeta, dG = pl.pallas_call(
+        functools.partial(_intra_bwd_kernel, cfg=cfg),
+        grid=(NT, H, B),
+        in_specs=[tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row, per_row, tok(C),
+                  state, state, tok(V), tok(V), tok(V)],
+        out_specs=[tok(K), tok(K), tok(V), per_tok, tok(K)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                   jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
+                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)],
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_intra_bwd",
+    )(q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
+    return dq, dk, dv, dG, dbeta, dh0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+    o, ht, _ = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml)
+    return o, ht
+
+
+def _kda_fwd(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+    o, ht, saved = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml)
+    return (o, ht), (q, k, v, G, beta, doc, mf, ml, *saved)
+
+
+def _kda_bwd(cfg, res, cts):
+    q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn = res
+    do, dht = cts
+    dq, dk, dv, dG, dbeta, dh0 = _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn,
+                                           do.astype(v.dtype), dht.astype(jnp.float32))
+    return dq, dk, dv, dG, dbeta, dh0, jnp.zeros_like(doc), jnp.zeros_like(mf), jnp.zeros_like(ml)
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------------
+
+
+def _default_interpret():
+    env = os.environ.get("K3_PALLAS_INTERPRET")
+    if env is not None:
+        return env not in ("0", "false", "False", "")
+    return jax.default_backend() != "gpu"
+
+
+def _pow2_at_least_16(n):
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _check_gate_callback(g_min, lower_bound):
+    if float(g_min) < lower_bound:
+        raise ValueError(f"chunk_kda: the log decay g reaches {float(g_min):.4g}, below lower_bound = "
+                         f"{lower_bound}; use the reference path (impl='chunk') for an unbounded gate")
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              segment_ids=None, interpret=None, chunk_size=64, lower_bound=-5.0, check_gate=False,
+              matmul_dtype=None):
+    """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
+
+    Same layout, conventions and return value as `k3.ops.kda.chunk_kda_reference`.
+
+    Args:
+      q, k: [B, T, H, K] queries and keys (used as given; the layer L2-normalises them).
+      v: [B, T, H, V] values.
+      g: [B, T, H, K] per-channel log decay. Values are clamped into [lower_bound, 0] (the kernel's
+        contract: a bounded gate such as `k3.ops.kda.kda_gate_bounded`); with `check_gate=True` a
+        value below lower_bound raises instead (at run time, through a host callback).
+      beta: [B, T, H] delta-rule learning rate.
+      scale: query scale; defaults to K ** -0.5.
+      initial_state: optional [B, H, K, V] state before the first token (first document of each row).
+      output_final_state: whether to return the state after the last token.
+      segment_ids: optional [B, T] ints; a change of id starts a new document with a zero state.
+      interpret: run the kernels in Pallas interpret mode; None picks it on any backend but GPU (or
+        from the environment variable K3_PALLAS_INTERPRET=0/1).
+      chunk_size: C in (16, 32, 64). T need not be a multiple of it.
+      lower_bound: the gate's bound, in [-10, 0).
+      check_gate: raise when g < lower_bound instead of clamping.
+      matmul_dtype: operand and storage dtype of the large matmuls and the saved intermediates
+        (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
+        TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
+        cores, at about twice the error of a bf16 output.
+
+    Returns:
+      (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
+    """
+    B, T, H, K0, V0 = _validate(q, k, v, g, beta, initial_state, segment_ids)
+    if chunk_size not in _CHUNKS:
+        raise ValueError(f"chunk_kda: chunk_size must be one of {_CHUNKS}; got {chunk_size!r}")
+    if not (_MIN_LOWER_BOUND <= float(lower_bound) < 0):
+        raise ValueError(f"chunk_kda: lower_bound must be in [{_MIN_LOWER_BOUND}, 0); got {lower_bound}")
+    scale = K0**-0.5 if scale is None else float(scale)
+    interpret = _default_interpret() if interpret is None else bool(interpret)
+    low_precision = any(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
+    in_dtype = jnp.bfloat16 if low_precision else jnp.float32
+    C = chunk_size
+    NT = max(1, math.ceil(T / C))
+    Tp, K, V = NT * C, _pow2_at_least_16(K0), _pow2_at_least_16(V0)
+    BV = min(V, 64)
+    if matmul_dtype is None:
+        matmul_dtype = "float32"
+    if matmul_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
+               interpret=interpret, exact=not low_precision)
+
+    g = jnp.asarray(g).astype(jnp.float32)
+    if check_gate:
+        jax.debug.callback(functools.partial(_check_gate_callback, lower_bound=float(lower_bound)),
+                           jnp.min(g))
+    # A select, not jnp.clip: the gradient at g == lower_bound must be 1, not clip's tie-split 0.5.
+    g = jnp.where(g < lower_bound, lower_bound, jnp.where(g > 0.0, 0.0, g))
+
+    def pad(x, dtype, D):
+        x = jnp.asarray(x).astype(dtype)
+        return jnp.pad(x, [(0, 0), (0, Tp - T), (0, 0), (0, D - x.shape[-1])])
+
+    qp, kp, vp = pad(q, in_dtype, K), pad(k, in_dtype, K), pad(v, in_dtype, V)
+    gp = pad(g, jnp.float32, K)
+    G = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, Tp, H, K)
+    betap = jnp.pad(jnp.asarray(beta).astype(jnp.float32), [(0, 0), (0, Tp - T), (0, 0)])
+
+    # Documents as float ids (exact below 2^24), and the two per-token masks: sees the incoming
+    # state (same document as the token before the chunk), belongs to the chunk's last document.
+    doc = jnp.pad(_document_index(segment_ids, None, B, T), [(0, 0), (0, Tp - T)], mode="edge")
+    doc_BNC = doc.reshape(B, NT, C)
+    prev = jnp.concatenate([doc_BNC[:, :1, 0], doc_BNC[:, :-1, -1]], axis=1)
+    mf = (doc_BNC == prev[..., None]).reshape(B, Tp).astype(jnp.float32)
+    ml = (doc_BNC == doc_BNC[..., -1:]).reshape(B, Tp).astype(jnp.float32)
+    docf = doc.astype(jnp.float32)
+
+    if initial_state is None:
+        h0t = jnp.zeros((B, H, V, K), jnp.float32)
+    else:
+        h0 = jnp.asarray(initial_state).astype(jnp.float32)
+        h0t = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)]).swapaxes(-1, -2)
+
+    o, ht = _kda(cfg, qp, kp, vp, G, betap, h0t, docf, mf, ml)
+    o = o[:, :T, :, :V0].astype(jnp.asarray(v).dtype)
+    final = ht.swapaxes(-1, -2)[:, :, :K0, :V0] if output_final_state else None
+    return o, final

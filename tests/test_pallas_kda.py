@@ -1,0 +1,210 @@
+"""The Pallas chunked-KDA kernel against the float64 token recurrence: values, gradients, documents.
+
+On the CPU the kernels run in Pallas interpret mode; on a GPU machine `K3_PALLAS_INTERPRET=0` runs
+the same tests on the compiled Triton kernels.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_model_cfg
+from k3.model import Model, cross_entropy
+from k3.ops import kda
+from pallas_kernels.kda import chunk_kda
+
+LB = -5.0
+
+
+def _l2n(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+
+
+def _inputs(rng, B, T, H, K, V, gate="mixed"):
+    """float64 numpy inputs; gate: 'mixed' (U(lb, 0)), 'bound' (g = lb), 'near0' (g = -1e-3), or
+    'rows' (one regime per batch row: bound, near0, mixed)."""
+    q = _l2n(rng.normal(size=(B, T, H, K)))
+    k = _l2n(rng.normal(size=(B, T, H, K)))
+    v = rng.normal(size=(B, T, H, V))
+    regimes = {
+        "mixed": lambda: rng.uniform(LB, 0.0, size=(T, H, K)),
+        "bound": lambda: np.full((T, H, K), LB),
+        "near0": lambda: np.full((T, H, K), -1e-3),
+    }
+    names = ["bound", "near0", "mixed"] if gate == "rows" else [gate] * B
+    g = np.stack([regimes[names[b % len(names)]]() for b in range(B)])
+    beta = rng.uniform(0.05, 0.95, size=(B, T, H))
+    h0 = rng.normal(size=(B, H, K, V))
+    do = rng.normal(size=(B, T, H, V))
+    dht = rng.normal(size=(B, H, K, V))
+    return q, k, v, g, beta, h0, do, dht
+
+
+def _rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out))
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _value_and_grads(fn, q, k, v, g, beta, h0, do, dht, **kw):
+    """(o, final state) and the gradients of <o, do> + <S_T, dht> w.r.t. (q, k, v, g, beta, h0)."""
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+        loss = jnp.sum(o.astype(jnp.float32 if o.dtype != jnp.float64 else o.dtype) * do)
+        return loss + jnp.sum(ht * dht), (o, ht)
+
+    grads, (o, ht) = jax.grad(f, argnums=range(6), has_aux=True)(q, k, v, g, beta, h0)
+    return o, ht, grads
+
+
+def _reference(args, segment_ids=None):
+    args64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+    fn = functools.partial(kda.recurrent_kda, segment_ids=segment_ids)
+    return _value_and_grads(fn, *args64)
+
+
+def _kernel(args, dtype, segment_ids=None, **kw):
+    q, k, v, g, beta, h0, do, dht = args
+    cast = lambda x, d: jnp.asarray(np.asarray(x), d)  # noqa: E731
+    fn = functools.partial(chunk_kda, segment_ids=segment_ids, **kw)
+    return jax.jit(_value_and_grads, static_argnums=0)(
+        fn, cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, jnp.float32),
+        cast(beta, jnp.float32), cast(h0, jnp.float32), cast(do, jnp.float32), cast(dht, jnp.float32))
+
+
+def _rounded(args, dtype):
+    """The inputs the kernel actually sees (q, k, v rounded to dtype), back in float64."""
+    q, k, v, *rest = args
+    r = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)  # noqa: E731
+    return [r(q), r(k), r(v), *rest]
+
+
+def _check(args, dtype, tol_fwd, tol_grad, segment_ids=None, **kw):
+    o, ht, grads = _kernel(args, dtype, segment_ids=segment_ids, **kw)
+    ro, rht, rgrads = _reference(_rounded(args, dtype), segment_ids=segment_ids)
+    errs = {"o": _rel(o, ro), "ht": _rel(ht, rht)}
+    errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, rgrads)})
+    fwd_bad = {n: e for n, e in errs.items() if n in ("o", "ht") and not e < tol_fwd}
+    grad_bad = {n: e for n, e in errs.items() if n not in ("o", "ht") and not e < tol_grad}
+    assert not fwd_bad and not grad_bad, errs
+    return o, ro
+
+
+@pytest.mark.parametrize("T", [1, 17, 64, 100, 1000])
+def test_fp32_matches_float64_recurrence(x64, T):
+    args = _inputs(np.random.default_rng(T), 1, T, 2, 16, 16)
+    _check(args, jnp.float32, 1e-5, 1e-4)
+
+
+def test_fp32_gate_regimes_and_odd_dims(x64):
+    """g at the bound, near 0 and mixed (one per row), with K and V not powers of two."""
+    args = _inputs(np.random.default_rng(5), 3, 100, 2, 24, 12, gate="rows")
+    o, ro = _check(args, jnp.float32, 1e-5, 1e-4)
+    for b in range(3):
+        assert _rel(o[b], ro[b]) < 1e-5
+
+
+@pytest.mark.parametrize("T, gate", [(100, "rows"), (1000, "mixed")])
+def test_bf16_matches_float64_recurrence(x64, T, gate):
+    args = _inputs(np.random.default_rng(T + 1), 3 if gate == "rows" else 1, T, 2, 32, 32, gate=gate)
+    _check(args, jnp.bfloat16, 2e-3, 5e-3)
+
+
+def test_bf16_intermediates_option(x64):
+    """matmul_dtype='bfloat16' trades accuracy for bytes: still a few 1e-3."""
+    args = _inputs(np.random.default_rng(9), 1, 200, 2, 32, 32)
+    _check(args, jnp.bfloat16, 6e-3, 1e-2, matmul_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_packed_documents_equal_separate_runs(x64, chunk_size):
+    """Documents of lengths 1, 40, 23, 64, 22 in one row (boundaries inside and at chunk edges)."""
+    rng = np.random.default_rng(chunk_size)
+    lengths = [1, 40, 23, 64, 22]
+    T = sum(lengths)
+    q, k, v, g, beta, h0, do, dht = _inputs(rng, 1, T, 2, 16, 16)
+    seg = np.repeat(np.arange(len(lengths)) * 3 + 1, lengths)[None].astype(np.int32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    packed, packed_ht = chunk_kda(*map(f32, (q, k, v, g, beta)), initial_state=f32(h0),
+                                  output_final_state=True, segment_ids=jnp.asarray(seg),
+                                  chunk_size=chunk_size)
+    start = 0
+    for i, n in enumerate(lengths):
+        sl = slice(start, start + n)
+        part, part_ht = chunk_kda(*(f32(x[:, sl]) for x in (q, k, v, g, beta)),
+                                  initial_state=f32(h0) if i == 0 else None, output_final_state=True,
+                                  chunk_size=chunk_size)
+        assert _rel(packed[:, sl], part) < 1e-5
+        start += n
+    assert _rel(packed_ht, part_ht) < 1e-5  # the row's final state is its last document's
+
+    # Gradients through the packed row against the float64 recurrence with the same resets.
+    _check((q, k, v, g, beta, h0, do, dht), jnp.float32, 1e-5, 1e-4, segment_ids=jnp.asarray(seg),
+           chunk_size=chunk_size)
+
+
+def test_without_initial_or_final_state(x64):
+    q, k, v, g, beta, *_ = _inputs(np.random.default_rng(3), 2, 70, 2, 16, 16)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    o, ht = chunk_kda(*map(f32, (q, k, v, g, beta)))
+    assert ht is None
+    ro, _ = kda.recurrent_kda(*map(jnp.asarray, (q, k, v, g, beta)))
+    assert _rel(o, ro) < 1e-5
+
+
+def test_gate_below_bound_is_clamped_or_rejected(x64):
+    q, k, v, g, beta, *_ = _inputs(np.random.default_rng(4), 1, 40, 2, 16, 16)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    low = g.copy()
+    low[0, 5:9] = -12.0
+    o, _ = chunk_kda(*map(f32, (q, k, v, low, beta)))
+    ro, _ = kda.recurrent_kda(*map(jnp.asarray, (q, k, v, np.maximum(low, LB), beta)))
+    assert _rel(o, ro) < 1e-5
+    with pytest.raises(Exception, match="below lower_bound"):
+        jax.block_until_ready(chunk_kda(*map(f32, (q, k, v, low, beta)), check_gate=True))
+    # Within the bound, checked mode changes nothing.
+    o_checked, _ = chunk_kda(*map(f32, (q, k, v, g, beta)), check_gate=True)
+    np.testing.assert_array_equal(np.asarray(o_checked), np.asarray(chunk_kda(*map(f32, (q, k, v, g, beta)))[0]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(chunk_size=48), "chunk_size"),
+    (dict(lower_bound=-20.0), "lower_bound"),
+    (dict(lower_bound=0.0), "lower_bound"),
+    (dict(matmul_dtype="float16"), "matmul_dtype"),
+])
+def test_bad_arguments(kwargs, match):
+    q, k, v, g, beta, *_ = (jnp.asarray(x, jnp.float32) for x in _inputs(np.random.default_rng(0), 1, 8, 2, 16, 16))
+    with pytest.raises(ValueError, match=match):
+        chunk_kda(q, k, v, g, beta, **kwargs)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_kda(q, k, v, g, beta[..., :1])
+
+
+def test_tiny_k3_same_loss_and_grads_with_pallas():
+    """The whole model: KDA layers through the kernel give the reference's loss and gradients."""
+    results = []
+    tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, 97)
+    seg = jnp.concatenate([jnp.ones((2, 13), jnp.int32), jnp.full((2, 27), 2, jnp.int32)], axis=1)
+    for impl in ("chunk", "pallas"):
+        cfg = tiny_model_cfg(dtype="float32", **{"kda.impl": impl})
+        model = Model(cfg, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_fn(p):
+            logits, _ = nnx.merge(graphdef, p, rest)(tokens, seg)
+            return cross_entropy(logits[:, :-1], tokens[:, 1:])
+
+        results.append(jax.jit(jax.value_and_grad(loss_fn))(params))
+    (loss_ref, g_ref), (loss_pl, g_pl) = results
+    assert abs(float(loss_ref) - float(loss_pl)) < 1e-5
+    flat_ref, flat_pl = jax.tree.leaves(g_ref), jax.tree.leaves(g_pl)
+    assert len(flat_ref) == len(flat_pl)
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(flat_ref, flat_pl))
+    den = sum(float(jnp.sum(a ** 2)) for a in flat_ref)
+    assert (num / den) ** 0.5 < 1e-4
