@@ -86,7 +86,6 @@ class _Cfg:
     h_dtype: str  # storage of the per-chunk states and their gradients
     interpret: bool
     exact: bool  # full-fp32 matmuls; otherwise fp32 operands may run as TF32 on the GPU
-    num_warps: int = 4
 
     @property
     def md(self):
@@ -240,11 +239,12 @@ def _state_fwd_kernel(q_ref, k_ref, G_ref, w_ref, u_ref, aqk_ref, mf_ref, ml_ref
                       o_ref, vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
     """One (row, head, value block): the chunk chain. The state is kept transposed, St = S^T [BV, K]."""
     C, md, pm = cfg.C, cfg.md, cfg.prec_mm
+    j = pl.program_id(0)
 
     def body(n, St):
         rows = pl.ds(n * C, C)
         qg, kg, decay = _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg)
-        h_ref[n] = St.astype(h_ref.dtype)
+        h_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = St.astype(h_ref.dtype)
         Sm = St.astype(md)
         vn = u_ref[rows, :].astype(jnp.float32) - _mm_nt(w_ref[rows, :], Sm, pm)
         vnm = vn.astype(md)
@@ -265,12 +265,13 @@ def _state_bwd_kernel(q_ref, k_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, ml_re
                       dh_ref, dvn_ref, dh0_ref, *, cfg: _Cfg):
     """Reverse chunk chain: dh_n (gradient of the state leaving chunk n), dv_new, d initial state."""
     C, md, pm, NT = cfg.C, cfg.md, cfg.prec_mm, cfg.NT
+    j = pl.program_id(0)
 
     def body(i, dSt):
         n = NT - 1 - i
         rows = pl.ds(n * C, C)
         qg, kg, decay = _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg)
-        dh_ref[n] = dSt.astype(dh_ref.dtype)
+        dh_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = dSt.astype(dh_ref.dtype)
         dO = do_ref[rows, :].astype(md)
         dvn = _mm_tn(aqk_ref[rows, :], dO, pm) + _mm_nt(kg.astype(md), dSt.astype(md), pm)
         dvn_ref[rows, :] = dvn
@@ -384,12 +385,13 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
 # ----------------------------------------------------------------------------------------------------
 
 
-def _compiler_params(cfg):
+def _compiler_params(cfg, num_warps):
+    """Triton launch parameters; the chunk kernels hold many 16 x K tiles, so they get more warps."""
     if cfg.interpret:
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _chunk_specs(cfg, B, H):
@@ -401,7 +403,7 @@ def _chunk_specs(cfg, B, H):
 
     per_tok = pl.BlockSpec((None, C, None), lambda n, h, b: (b, n, h))
     per_row = pl.BlockSpec((None, C), lambda n, h, b: (b, n))
-    state = pl.BlockSpec((None, None, None, cfg.V, cfg.K), lambda n, h, b: (b, n, h, 0, 0))
+    state = pl.BlockSpec((None, None, cfg.V, cfg.K), lambda n, h, b: (b, h, n, 0))
     return tok, per_tok, per_row, state
 
 
@@ -414,16 +416,19 @@ def _seq_specs(cfg):
 
     vblk = pl.BlockSpec((None, Tp, None, cfg.BV), lambda j, h, b: (b, 0, h, j))
     per_row = pl.BlockSpec((None, Tp), lambda j, h, b: (b, 0))
-    states = pl.BlockSpec((None, cfg.NT, None, cfg.BV, cfg.K), lambda j, h, b: (b, 0, h, j, 0))
+    # Per-chunk states [B, H, NT * V, K]: every value block of a (row, head) writes its own rows of
+    # the one shared block, so the stores are plain row slices like the outputs'.
+    states = pl.BlockSpec((None, None, cfg.NT * cfg.V, cfg.K), lambda j, h, b: (b, h, 0, 0))
     one_state = pl.BlockSpec((None, None, cfg.BV, cfg.K), lambda j, h, b: (b, h, j, 0))
     return tok, vblk, per_row, states, one_state
 
 
-def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+def _intra_fwd(cfg, q, k, v, G, beta, doc, mf):
+    """w [B, Tp, H, K], u [B, Tp, H, V], Aqk and T [B, Tp, H, C] for every chunk."""
     B, Tp, H, _ = q.shape
     C, K, V, NT, md = cfg.C, cfg.K, cfg.V, cfg.NT, cfg.md
     tok, per_tok, per_row, _ = _chunk_specs(cfg, B, H)
-    w, u, aqk, T = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_intra_fwd_kernel, cfg=cfg),
         grid=(NT, H, B),
         in_specs=[tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row],
@@ -431,40 +436,56 @@ def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), md), jax.ShapeDtypeStruct((B, Tp, H, V), md),
                    jax.ShapeDtypeStruct((B, Tp, H, C), md),
                    jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_intra_fwd",
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 8), name="kda_intra_fwd",
     )(q, k, v, G, beta, doc, mf)
 
+
+def _state_fwd(cfg, q, k, G, w, u, aqk, mf, ml, h0t):
+    """o, v_new [B, Tp, H, V], per-chunk states [B, H, NT * V, K], final state^T [B, H, V, K]."""
+    B, Tp, H, _ = q.shape
+    C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
-    o, vn, h, ht = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_state_fwd_kernel, cfg=cfg),
         grid=(V // cfg.BV, H, B),
         in_specs=[stok(K), stok(K), stok(K), stok(K), vblk, stok(C), srow, srow, one_state],
         out_specs=[vblk, vblk, states, one_state],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H, V), md),
-                   jax.ShapeDtypeStruct((B, NT, H, V, K), cfg.h_dtype),
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md),
+                   jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
                    jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_state_fwd",
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_state_fwd",
     )(q, k, G, w, u, aqk, mf, ml, h0t)
+
+
+def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+    w, u, aqk, T = _intra_fwd(cfg, q, k, v, G, beta, doc, mf)
+    o, vn, h, ht = _state_fwd(cfg, q, k, G, w, u, aqk, mf, ml, h0t)
     return o, ht, (w, aqk, T, h, vn)
 
 
-def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, do, dht):
+def _state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht):
+    """dh [B, H, NT * V, K], dv_new [B, Tp, H, V], d initial state^T [B, H, V, K]."""
     B, Tp, H, _ = q.shape
     C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
-    dh, dvn, dh0 = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_state_bwd_kernel, cfg=cfg),
         grid=(V // cfg.BV, H, B),
         in_specs=[stok(K), stok(K), stok(K), stok(K), stok(C), vblk, srow, srow, one_state],
         out_specs=[states, vblk, one_state],
-        out_shape=[jax.ShapeDtypeStruct((B, NT, H, V, K), cfg.h_dtype),
+        out_shape=[jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, V), jnp.float32),
                    jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_state_bwd",
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_state_bwd",
     )(q, k, G, w, aqk, do, mf, ml, dht)
 
+
+def _intra_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+    """dq, dk [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, Tp, H], dGamma [B, Tp, H, K]."""
+    B, Tp, H, _ = q.shape
+    C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
     tok, per_tok, per_row, state = _chunk_specs(cfg, B, H)
-    dq, dk, dv, dbeta, dG = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, cfg=cfg),
         grid=(NT, H, B),
         in_specs=[tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row, per_row, tok(C),
@@ -473,8 +494,13 @@ def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, do, dht):
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg), name="kda_intra_bwd",
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 8), name="kda_intra_bwd",
     )(q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
+
+
+def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, do, dht):
+    dh, dvn, dh0 = _state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
+    dq, dk, dv, dbeta, dG = _intra_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
     return dq, dk, dv, dG, dbeta, dh0
 
 
@@ -522,37 +548,9 @@ def _check_gate_callback(g_min, lower_bound):
                          f"{lower_bound}; use the reference path (impl='chunk') for an unbounded gate")
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              segment_ids=None, interpret=None, chunk_size=64, lower_bound=-5.0, check_gate=False,
-              matmul_dtype=None):
-    """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
-
-    Same layout, conventions and return value as `k3.ops.kda.chunk_kda_reference`.
-
-    Args:
-      q, k: [B, T, H, K] queries and keys (used as given; the layer L2-normalises them).
-      v: [B, T, H, V] values.
-      g: [B, T, H, K] per-channel log decay. Values are clamped into [lower_bound, 0] (the kernel's
-        contract: a bounded gate such as `k3.ops.kda.kda_gate_bounded`); with `check_gate=True` a
-        value below lower_bound raises instead (at run time, through a host callback).
-      beta: [B, T, H] delta-rule learning rate.
-      scale: query scale; defaults to K ** -0.5.
-      initial_state: optional [B, H, K, V] state before the first token (first document of each row).
-      output_final_state: whether to return the state after the last token.
-      segment_ids: optional [B, T] ints; a change of id starts a new document with a zero state.
-      interpret: run the kernels in Pallas interpret mode; None picks it on any backend but GPU (or
-        from the environment variable K3_PALLAS_INTERPRET=0/1).
-      chunk_size: C in (16, 32, 64). T need not be a multiple of it.
-      lower_bound: the gate's bound, in [-10, 0).
-      check_gate: raise when g < lower_bound instead of clamping.
-      matmul_dtype: operand and storage dtype of the large matmuls and the saved intermediates
-        (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
-        TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
-        cores, at about twice the error of a bf16 output.
-
-    Returns:
-      (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
-    """
+def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, chunk_size,
+             lower_bound, check_gate, matmul_dtype):
+    """Static config and the padded kernel inputs (q, k, v, Gamma, beta, h0^T, doc, mf, ml)."""
     B, T, H, K0, V0 = _validate(q, k, v, g, beta, initial_state, segment_ids)
     if chunk_size not in _CHUNKS:
         raise ValueError(f"chunk_kda: chunk_size must be one of {_CHUNKS}; got {chunk_size!r}")
@@ -604,7 +602,45 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         h0 = jnp.asarray(initial_state).astype(jnp.float32)
         h0t = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)]).swapaxes(-1, -2)
 
-    o, ht = _kda(cfg, qp, kp, vp, G, betap, h0t, docf, mf, ml)
+    return cfg, (qp, kp, vp, G, betap, h0t, docf, mf, ml)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              segment_ids=None, interpret=None, chunk_size=64, lower_bound=-5.0, check_gate=False,
+              matmul_dtype=None):
+    """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
+
+    Same layout, conventions and return value as `k3.ops.kda.chunk_kda_reference`.
+
+    Args:
+      q, k: [B, T, H, K] queries and keys (used as given; the layer L2-normalises them).
+      v: [B, T, H, V] values.
+      g: [B, T, H, K] per-channel log decay. Values are clamped into [lower_bound, 0] (the kernel's
+        contract: a bounded gate such as `k3.ops.kda.kda_gate_bounded`); with `check_gate=True` a
+        value below lower_bound raises instead (at run time, through a host callback).
+      beta: [B, T, H] delta-rule learning rate.
+      scale: query scale; defaults to K ** -0.5.
+      initial_state: optional [B, H, K, V] state before the first token (first document of each row).
+      output_final_state: whether to return the state after the last token.
+      segment_ids: optional [B, T] ints; a change of id starts a new document with a zero state.
+      interpret: run the kernels in Pallas interpret mode; None picks it on any backend but GPU (or
+        from the environment variable K3_PALLAS_INTERPRET=0/1).
+      chunk_size: C in (16, 32, 64). T need not be a multiple of it.
+      lower_bound: the gate's bound, in [-10, 0).
+      check_gate: raise when g < lower_bound instead of clamping.
+      matmul_dtype: operand and storage dtype of the large matmuls and the saved intermediates
+        (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
+        TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
+        cores, at about twice the error of a bf16 output.
+
+    Returns:
+      (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
+    """
+    B, T, H, K0, V0 = _validate(q, k, v, g, beta, initial_state, segment_ids)
+    cfg, args = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         segment_ids=segment_ids, interpret=interpret, chunk_size=chunk_size,
+                         lower_bound=lower_bound, check_gate=check_gate, matmul_dtype=matmul_dtype)
+    o, ht = _kda(cfg, *args)
     o = o[:, :T, :, :V0].astype(jnp.asarray(v).dtype)
     final = ht.swapaxes(-1, -2)[:, :, :K0, :V0] if output_final_state else None
     return o, final

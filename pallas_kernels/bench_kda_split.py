@@ -1,0 +1,97 @@
+"""Where the Pallas KDA kernel's time goes: each of its four kernels timed on its own.
+
+    python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
+        [--iters=10] [--out=FILE.json]
+
+A variant is chunk_size:matmul_dtype. Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
+[-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
+--iters calls after 3 warm-ups, wall clock with block_until_ready). Prints a table and writes JSON.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k3.ops.kda import l2_normalize  # noqa: E402
+from pallas_kernels import kda as P  # noqa: E402
+
+
+def _time(fn, args, iters):
+    """Compile seconds and the median ms of `fn(*args)` under jit."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(3):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return compile_s, float(np.median(times))
+
+
+def split(shape, chunk, matmul_dtype, iters):
+    """Times of intra_fwd, state_fwd, state_bwd, intra_bwd for one shape and variant."""
+    B, T, H, K = shape
+    keys = jax.random.split(jax.random.key(0), 6)
+    q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
+    k = l2_normalize(jax.random.normal(keys[1], (B, T, H, K))).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, H, K)).astype(jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H, K)))
+    beta = jax.random.uniform(keys[4], (B, T, H))
+    do = jax.random.normal(keys[5], (B, T, H, K)).astype(jnp.bfloat16)
+    cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
+        q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
+        chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
+    rows = {}
+    w, u, aqk, Tm = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf)
+    rows["intra_fwd"] = _time(lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf), iters)
+    o, vn, h, ht = P._state_fwd(cfg, q, k, G, w, u, aqk, mf, ml, h0t)
+    rows["state_fwd"] = _time(lambda *a: P._state_fwd(cfg, *a), (q, k, G, w, u, aqk, mf, ml, h0t), iters)
+    dht = jnp.zeros_like(ht)
+    dh, dvn, _ = P._state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
+    rows["state_bwd"] = _time(lambda *a: P._state_bwd(cfg, *a), (q, k, G, w, aqk, do, mf, ml, dht), iters)
+    rows["intra_bwd"] = _time(lambda *a: P._intra_bwd(cfg, *a),
+                              (q, k, v, G, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn), iters)
+    return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="8x4096x16x128")
+    p.add_argument("--variants", default="64:float32,32:float32")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))
+    args = p.parse_args(argv)
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, variants={})
+    print("| variant | kernel | ms | share | compile s |\n|---|---|---|---|---|")
+    for variant in args.variants.split(","):
+        chunk, dtype = variant.split(":")
+        try:
+            rows = split(shape, int(chunk), dtype, args.iters)
+        except Exception as exc:  # keep the other variants
+            report["variants"][variant] = dict(error=repr(exc)[:500])
+            print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)
+            continue
+        report["variants"][variant] = rows
+        total = sum(r["median_ms"] for r in rows.values())
+        for name, r in rows.items():
+            print(f"| {variant} | {name} | {r['median_ms']:.3f} | {r['median_ms'] / total:.2f} | "
+                  f"{r['compile_s']:.1f} |", flush=True)
+        print(f"| {variant} | total | {total:.3f} | 1.00 | |", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
