@@ -3,7 +3,7 @@
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--out=FILE.json]
 
-A variant is chunk_size:matmul_dtype. Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
+A variant is chunk_size:matmul_dtype[:warps] (warps of the two chunk-parallel kernels, default 8). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
 [-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
 --iters calls after 3 warm-ups, wall clock with block_until_ready). Prints a table and writes JSON.
 """
@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -39,7 +40,7 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(times))
 
 
-def split(shape, chunk, matmul_dtype, iters):
+def split(shape, chunk, matmul_dtype, iters, warps=8):
     """Times of intra_fwd, state_fwd, state_bwd, intra_bwd for one shape and variant."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
@@ -52,6 +53,7 @@ def split(shape, chunk, matmul_dtype, iters):
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
+    cfg = dataclasses.replace(cfg, intra_warps=warps)
     rows = {}
     w, u, aqk, Tm = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf)
     rows["intra_fwd"] = _time(lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf), iters)
@@ -76,9 +78,9 @@ def main(argv=None):
     report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, variants={})
     print("| variant | kernel | ms | share | compile s |\n|---|---|---|---|---|")
     for variant in args.variants.split(","):
-        chunk, dtype = variant.split(":")
+        chunk, dtype, *warps = variant.split(":")
         try:
-            rows = split(shape, int(chunk), dtype, args.iters)
+            rows = split(shape, int(chunk), dtype, args.iters, *(int(w) for w in warps))
         except Exception as exc:  # keep the other variants
             report["variants"][variant] = dict(error=repr(exc)[:500])
             print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)

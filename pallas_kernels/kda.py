@@ -86,6 +86,7 @@ class _Cfg:
     h_dtype: str  # storage of the per-chunk states and their gradients
     interpret: bool
     exact: bool  # full-fp32 matmuls; otherwise fp32 operands may run as TF32 on the GPU
+    intra_warps: int = 8  # Triton warps of the chunk-parallel kernels (the state kernels use 4)
 
     @property
     def md(self):
@@ -137,38 +138,67 @@ def _neumann_inverse(L, eye):
     return P
 
 
-def _load_tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb):
-    """Per 16-token sub-tile: inputs in fp32 and the exp factors of both factorisations."""
-    f32 = jnp.float32
-    tiles = []
-    for r in range(nb):
-        rows = pl.ds(r * _SUB, _SUB)
-        G = G_ref[rows, :]
-        G_first = G_ref[pl.ds(r * _SUB, 1), :]
-        G_mid = G_ref[pl.ds(r * _SUB + _SUB // 2, 1), :]
-        G_last = G_ref[pl.ds(r * _SUB + _SUB - 1, 1), :]
-        q, k = q_ref[rows, :].astype(f32), k_ref[rows, :].astype(f32)
-        e_mid = jnp.exp(G - G_mid)  # within e^{+-40}: the diagonal tile's row factor
-        e_mid_inv = jnp.exp(G_mid - G)
-        e_first = jnp.exp(G - G_first)  # <= 1: off-diagonal row factor (times a vector <= 1)
-        e_last = jnp.exp(G_last - G)  # <= 1: off-diagonal column factor (times a vector <= 1)
-        tiles.append(dict(
-            q=q, k=k, G=G, G_first=G_first, G_last=G_last,
-            beta=beta_ref[rows].astype(f32)[:, None], doc=doc_ref[rows], mf=mf_ref[rows][:, None],
-            e_mid=e_mid, e_mid_inv=e_mid_inv, e_first=e_first, e_last=e_last,
-            qd=q * e_mid, kd=k * e_mid, ku=k * e_mid_inv, qf=q * e_first, kf=k * e_first,
-        ))
-    return tiles
+class _Tile:
+    """Sub-tile r (16 tokens) of a chunk. Every entry is loaded or computed when it is asked for, so a
+    kernel keeps only the tiles it is working on live (a chunk's worth of 16 x K fp32 arrays spills)."""
+
+    def __init__(self, q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, r):
+        self._refs = (q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref)
+        self._rows = pl.ds(r * _SUB, _SUB)
+        self._r = r
+
+    def _row(self, i):
+        return self._refs[2][pl.ds(self._r * _SUB + i, 1), :]
+
+    @property
+    def q(self):
+        return self._refs[0][self._rows, :].astype(jnp.float32)
+
+    @property
+    def k(self):
+        return self._refs[1][self._rows, :].astype(jnp.float32)
+
+    @property
+    def G(self):
+        return self._refs[2][self._rows, :]
+
+    @property
+    def G_first(self):
+        return self._row(0)
+
+    @property
+    def G_mid(self):
+        return self._row(_SUB // 2)
+
+    @property
+    def beta(self):
+        return self._refs[3][self._rows].astype(jnp.float32)[:, None]
+
+    @property
+    def doc(self):
+        return self._refs[4][self._rows]
+
+    @property
+    def mf(self):
+        return self._refs[5][self._rows][:, None]
+
+
+def _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb):
+    return [_Tile(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, r) for r in range(nb)]
 
 
 def _pair(tiles, r, c):
-    """Operands of sub-tile (r, c <= r): (q rows, k rows, row factor, k columns, column factor)."""
+    """Operands of sub-tile (r, c <= r): (q rows, k rows, row factor, k columns, column factor).
+
+    Diagonal tiles factor around the tile's middle token (factors within e^{+-8 |lower_bound|});
+    off-diagonal ones around the first token of row tile r, where both factors are <= 1.
+    """
     tr, tc = tiles[r], tiles[c]
-    if r == c:
-        return tr["qd"], tr["kd"], tr["e_mid"], tr["ku"], tr["e_mid_inv"]
-    link = jnp.exp(tr["G_first"] - tc["G_last"])  # [1, K], <= 1
-    col_factor = tc["e_last"] * link
-    return tr["qf"], tr["kf"], tr["e_first"], tc["k"] * col_factor, col_factor
+    G = tr.G
+    mu = tr.G_mid if r == c else tr.G_first
+    row_f = jnp.exp(G - mu)
+    col_f = jnp.exp(mu - (G if r == c else tc.G))
+    return tr.q * row_f, tr.k * row_f, row_f, tc.k * col_f, col_f
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,7 +211,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref,
     """One chunk: Aqk [C, C], T = (I + L)^-1 [C, C], w [C, K], u [C, V]."""
     nb, md, pt = cfg.C // _SUB, cfg.md, cfg.prec_tile
     eye, causal, strict = _tile_masks()
-    tiles = _load_tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
+    tiles = _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
     zero = jnp.zeros((_SUB, _SUB), jnp.float32)
 
     Lb = [[None] * nb for _ in range(nb)]
@@ -192,12 +222,12 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref,
                 aqk_ref[pl.ds(r * _SUB, _SUB), cols] = zero.astype(aqk_ref.dtype)
                 continue
             rq, rk, _, col, _ = _pair(tiles, r, c)
-            same = tiles[r]["doc"][:, None] == tiles[c]["doc"][None, :]
+            same = tiles[r].doc[:, None] == tiles[c].doc[None, :]
             qk = _mm_nt(rq, col, pt)
             kk = _mm_nt(rk, col, pt)
             mask_a, mask_l = (causal & same, strict & same) if r == c else (same, same)
             aqk_ref[pl.ds(r * _SUB, _SUB), cols] = jnp.where(mask_a, cfg.scale * qk, 0.0).astype(aqk_ref.dtype)
-            Lb[r][c] = jnp.where(mask_l, tiles[r]["beta"] * kk, 0.0)
+            Lb[r][c] = jnp.where(mask_l, tiles[r].beta * kk, 0.0)
 
     # Block forward substitution: T_rr = (I + L_rr)^-1, T_rc = -T_rr sum_{m=c}^{r-1} L_rm T_mc.
     Tb = [[None] * nb for _ in range(nb)]
@@ -211,12 +241,16 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref,
         for c in range(nb):
             t_ref[pl.ds(r * _SUB, _SUB), pl.ds(c * _SUB, _SUB)] = (Tb[r][c] if c <= r else zero)
 
-    kb = [(t["beta"] * t["mf"] * t["k"] * jnp.exp(t["G"])).astype(md) for t in tiles]
-    vb = [(tiles[c]["beta"] * v_ref[pl.ds(c * _SUB, _SUB), :].astype(jnp.float32)).astype(md)
-          for c in range(nb)]
+    def kb(c):
+        t = tiles[c]
+        return (t.beta * t.mf * t.k * jnp.exp(t.G)).astype(md)
+
+    def vb(c):
+        return (tiles[c].beta * v_ref[pl.ds(c * _SUB, _SUB), :].astype(jnp.float32)).astype(md)
+
     for r in range(nb):
-        w = sum(_mm(Tb[r][c].astype(md), kb[c], cfg.prec_mm) for c in range(r + 1))
-        u = sum(_mm(Tb[r][c].astype(md), vb[c], cfg.prec_mm) for c in range(r + 1))
+        w = sum(_mm(Tb[r][c].astype(md), kb(c), cfg.prec_mm) for c in range(r + 1))
+        u = sum(_mm(Tb[r][c].astype(md), vb(c), cfg.prec_mm) for c in range(r + 1))
         w_ref[pl.ds(r * _SUB, _SUB), :] = w.astype(w_ref.dtype)
         u_ref[pl.ds(r * _SUB, _SUB), :] = u.astype(u_ref.dtype)
 
@@ -288,7 +322,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     nb = C // _SUB
     eye, causal, strict = _tile_masks()
     del eye
-    tiles = _load_tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
+    tiles = _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
     G_end = G_ref[pl.ds(C - 1, 1), :]
     keep_state = mf_ref[pl.ds(C - 1, 1)][None, :]
     Sh = h_ref[...].astype(md)  # S_in^T [V, K]
@@ -296,54 +330,61 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     dd = jnp.sum(h_ref[...].astype(f32) * dh_ref[...].astype(f32), axis=0)[None, :]  # d decay [1, K]
     Tb = [[t_ref[pl.ds(r * _SUB, _SUB), pl.ds(c * _SUB, _SUB)] for c in range(nb)] for r in range(nb)]
 
-    dq, dk, dG, dvb, dkb = [], [], [], [], []
-    dO, vn, dvn, dw, vb, kb = [], [], [], [], [], []
+    def rows(r):
+        return pl.ds(r * _SUB, _SUB)
+
+    def dO(r):
+        return do_ref[rows(r), :].astype(md)
+
+    def vn(r):
+        return vn_ref[rows(r), :].astype(md)
+
+    def dvn(r):
+        return dvn_ref[rows(r), :]
+
+    def vb(c):
+        return tiles[c].beta * v_ref[rows(c), :].astype(f32)
+
+    def kb(c):
+        t = tiles[c]
+        return t.beta * t.mf * t.k * jnp.exp(t.G)
+
+    dq, dk, dG, dw = [], [], [], []
     dG_end = keep_state * jnp.exp(G_end) * dd
     for r, t in enumerate(tiles):
-        rows = pl.ds(r * _SUB, _SUB)
-        dO.append(do_ref[rows, :].astype(md))
-        vn.append(vn_ref[rows, :].astype(md))
-        dvn.append(dvn_ref[rows, :])
-        v = v_ref[rows, :].astype(f32)
-        ml = ml_ref[rows][:, None]
-        eG = jnp.exp(t["G"])
+        eG = jnp.exp(t.G)
         # o = qg S_in, qg = scale q e^Gamma (rows that see the state)
-        dqg = _mm(dO[r], Sh, pm)
-        qg = cfg.scale * t["q"] * eG * t["mf"]
-        dq.append(cfg.scale * eG * t["mf"] * dqg)
-        dG_r = qg * dqg
+        dqg = _mm(dO(r), Sh, pm)
+        dq.append(cfg.scale * eG * t.mf * dqg)
+        dG_r = t.q * dq[r]
         # S_out += kg^T v_new, kg = k e^{Gamma_end - Gamma} (rows of the last document)
-        dkg = _mm(vn[r], dSh, pm)
-        e_kg = jnp.exp(G_end - t["G"]) * ml
-        kg_dkg = t["k"] * e_kg * dkg
-        dk.append(e_kg * dkg)
-        dG_r = dG_r - kg_dkg
+        e_kg = jnp.exp(G_end - t.G) * ml_ref[rows(r)][:, None]
+        dk.append(e_kg * _mm(vn(r), dSh, pm))
+        kg_dkg = t.k * dk[r]
+        dG.append(dG_r - kg_dkg)
         dG_end = dG_end + jnp.sum(kg_dkg, axis=0)[None, :]
-        dG.append(dG_r)
         # v_new = u - w S_in
-        dw.append(-_mm(dvn[r].astype(md), Sh, pm))
-        vb.append(t["beta"] * v)
-        kb.append(t["beta"] * t["mf"] * t["k"] * eG)
+        dw.append(-_mm(dvn(r).astype(md), Sh, pm))
 
-    # u = T (beta v), w = T kb: dT (lower blocks), then back to v, beta, k, Gamma.
-    dT = [[None] * nb for _ in range(nb)]
+    # u = T (beta v), w = T kb: back to v, beta, k, Gamma through T^T.
     dbeta = []
-    dv = []
     for c in range(nb):
-        dvb_c = sum(_mm_tn(Tb[r][c], dvn[r], _HI) for r in range(c, nb))
+        dvb_c = sum(_mm_tn(Tb[r][c], dvn(r), _HI) for r in range(c, nb))
         dkb_c = sum(_mm_tn(Tb[r][c], dw[r], _HI) for r in range(c, nb))
         t = tiles[c]
-        eG = jnp.exp(t["G"])
-        dv.append(t["beta"] * dvb_c)
-        dbeta.append(jnp.sum(v_ref[pl.ds(c * _SUB, _SUB), :].astype(f32) * dvb_c, axis=1)
-                     + t["mf"][:, 0] * jnp.sum(t["k"] * eG * dkb_c, axis=1))
-        dk[c] = dk[c] + t["beta"] * t["mf"] * eG * dkb_c
-        dG[c] = dG[c] + kb[c] * dkb_c
+        eG = jnp.exp(t.G)
+        dv_ref[rows(c), :] = (t.beta * dvb_c).astype(dv_ref.dtype)
+        k_eG_dkb = t.k * eG * dkb_c
+        dbeta.append(jnp.sum(v_ref[rows(c), :].astype(f32) * dvb_c, axis=1)
+                     + t.mf[:, 0] * jnp.sum(k_eG_dkb, axis=1))
+        dk[c] = dk[c] + t.beta * t.mf * eG * dkb_c
+        dG[c] = dG[c] + t.beta * t.mf * k_eG_dkb
+
+    # dT on the lower blocks, then T = (I + L)^-1  =>  dL = -T^T dT T^T (strictly lower part).
+    dT = [[None] * nb for _ in range(nb)]
     for r in range(nb):
         for c in range(r + 1):
-            dT[r][c] = _mm_nt(dvn[r], vb[c], _HI) + _mm_nt(dw[r], kb[c], _HI)
-
-    # T = (I + L)^-1  =>  dL = -T^T dT T^T, restricted to the strictly lower part.
+            dT[r][c] = _mm_nt(dvn(r), vb(c), _HI) + _mm_nt(dw[r], kb(c), _HI)
     Z = [[None] * nb for _ in range(nb)]
     for a in range(nb):
         for c in range(a + 1):
@@ -353,13 +394,13 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
         for c in range(r + 1):
             dL = -sum(_mm_tn(Tb[a][r], Z[a][c], _HI) for a in range(r, nb))
             rq, rk, row_f, col, col_f = _pair(tiles, r, c)
-            same = t["doc"][:, None] == tiles[c]["doc"][None, :]
+            same = t.doc[:, None] == tiles[c].doc[None, :]
             mask_a, mask_l = (causal & same, strict & same) if r == c else (same, same)
-            dA = jnp.where(mask_a, cfg.scale * _mm_nt(dO[r], vn[c], pm), 0.0)
+            dA = jnp.where(mask_a, cfg.scale * _mm_nt(dO(r), vn(c), pm), 0.0)
             dL = jnp.where(mask_l, dL, 0.0)
             kk = _mm_nt(rk, col, pt)
             dbeta[r] = dbeta[r] + jnp.sum(dL * kk, axis=1)
-            dP = t["beta"] * dL
+            dP = t.beta * dL
             Xq = _mm(dA, col, pt)
             Xk = _mm(dP, col, pt)
             dq[r] = dq[r] + row_f * Xq
@@ -372,12 +413,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     last_row = lax.broadcasted_iota(jnp.int32, (_SUB, 1), 0) == _SUB - 1
     dG[nb - 1] = dG[nb - 1] + jnp.where(last_row, dG_end, 0.0)
     for r in range(nb):
-        rows = pl.ds(r * _SUB, _SUB)
-        dq_ref[rows, :] = dq[r].astype(dq_ref.dtype)
-        dk_ref[rows, :] = dk[r].astype(dk_ref.dtype)
-        dv_ref[rows, :] = dv[r].astype(dv_ref.dtype)
-        dbeta_ref[rows] = dbeta[r].astype(dbeta_ref.dtype)
-        dG_ref[rows, :] = dG[r]
+        dq_ref[rows(r), :] = dq[r].astype(dq_ref.dtype)
+        dk_ref[rows(r), :] = dk[r].astype(dk_ref.dtype)
+        dbeta_ref[rows(r)] = dbeta[r].astype(dbeta_ref.dtype)
+        dG_ref[rows(r), :] = dG[r]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -436,7 +475,7 @@ def _intra_fwd(cfg, q, k, v, G, beta, doc, mf):
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), md), jax.ShapeDtypeStruct((B, Tp, H, V), md),
                    jax.ShapeDtypeStruct((B, Tp, H, C), md),
                    jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 8), name="kda_intra_fwd",
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, cfg.intra_warps), name="kda_intra_fwd",
     )(q, k, v, G, beta, doc, mf)
 
 
@@ -494,7 +533,7 @@ def _intra_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 8), name="kda_intra_bwd",
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, cfg.intra_warps), name="kda_intra_bwd",
     )(q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
 
 
