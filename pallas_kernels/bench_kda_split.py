@@ -1,4 +1,4 @@
-"""Where the Pallas KDA kernel's time goes: each of its four kernels timed on its own.
+"""Where the Pallas KDA kernel's time goes: each of its kernels timed on its own.
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--out=FILE.json]
@@ -41,7 +41,7 @@ def _time(fn, args, iters):
 
 
 def split(shape, chunk, matmul_dtype, iters, warps=8):
-    """Times of intra_fwd, state_fwd, state_bwd, intra_bwd for one shape and variant."""
+    """Times of intra_fwd, state_fwd, state_bwd, inter_bwd, intra_bwd for one shape and variant."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
@@ -62,8 +62,11 @@ def split(shape, chunk, matmul_dtype, iters, warps=8):
     dht = jnp.zeros_like(ht)
     dh, dvn, _ = P._state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
     rows["state_bwd"] = _time(lambda *a: P._state_bwd(cfg, *a), (q, k, G, w, aqk, do, mf, ml, dht), iters)
+    inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
+    rows["inter_bwd"] = _time(lambda *a: P._inter_bwd(cfg, *a), inter_args, iters)
+    dq0, dk0, dG0, dw = P._inter_bwd(cfg, *inter_args)
     rows["intra_bwd"] = _time(lambda *a: P._intra_bwd(cfg, *a),
-                              (q, k, v, G, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn), iters)
+                              (q, k, v, G, beta, doc, mf, Tm, do, vn, dvn, dq0, dk0, dG0, dw), iters)
     return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
 
 
