@@ -63,7 +63,7 @@ def default_config() -> ConfigDict:
     k.gate = "bounded"  # 'bounded': lower_bound*sigmoid(exp(A_log)*z); 'softplus': -exp(A_log)*softplus(z)
     k.gate_lower_bound = -5.0
     k.chunk_size = 16
-    k.impl = "chunk"  # 'chunk' (jnp chunked reference), 'recurrent' (token scan), 'pallas'
+    k.impl = "chunk"  # 'chunk' = 'reference' (jnp chunked), 'recurrent' (token scan), 'pallas'
 
     e = m.moe = ConfigDict()
     e.n_experts = 8
@@ -129,7 +129,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.kda.gate": ("bounded", "softplus"),
-    "model.kda.impl": ("chunk", "recurrent", "pallas"),
+    "model.kda.impl": ("chunk", "reference", "recurrent", "pallas"),
     "model.moe.balancing": ("quantile_hist", "quantile", "sign", "none"),
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd"),

@@ -304,7 +304,8 @@ def _f32_inputs(B=1, T=6):
     return q, k, v, g, beta, h0
 
 
-@pytest.mark.parametrize("impl, target", [("recurrent", "recurrent_kda"), ("chunk", "chunk_kda_reference")])
+@pytest.mark.parametrize("impl, target", [("recurrent", "recurrent_kda"), ("chunk", "chunk_kda_reference"),
+                                          ("reference", "chunk_kda_reference")])
 def test_kda_core_dispatch(monkeypatch, impl, target):
     calls = []
     monkeypatch.setattr(kda, target, lambda *args, **kwargs: calls.append((args, kwargs)) or ("o", "S"))
@@ -314,7 +315,7 @@ def test_kda_core_dispatch(monkeypatch, impl, target):
     (args, kwargs), = calls
     assert len(args) == 5 and args[0] is q
     expected = dict(scale=None, initial_state=h0, output_final_state=True, segment_ids=None)
-    if impl == "chunk":
+    if impl in ("chunk", "reference"):
         expected["chunk_size"] = 32
     assert kwargs == expected
 

@@ -45,7 +45,7 @@ __all__ = [
 # These are references: fp32 matmuls must not silently drop to TF32/bf16 passes on GPU/TPU.
 _PRECISION = lax.Precision.HIGHEST
 
-_IMPLS = ("chunk", "recurrent", "pallas")
+_IMPLS = ("chunk", "reference", "recurrent", "pallas")  # "reference" names "chunk"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def kda_core(
       v: [B, T, H, V] values.
       g: [B, T, H, K] per-channel log decay (<= 0).
       beta: [B, T, H] delta-rule learning rate.
-      impl: 'chunk' (`chunk_kda_reference`), 'recurrent' (`recurrent_kda`) or 'pallas'
+      impl: 'chunk' or 'reference' (`chunk_kda_reference`), 'recurrent' (`recurrent_kda`) or 'pallas'
         (`pallas_kernels.kda.chunk_kda`, imported on first use).
       scale: query scale; defaults to K ** -0.5.
       initial_state: optional [B, H, K, V] state before the first token.
@@ -548,6 +548,6 @@ def kda_core(
     )
     if impl == "recurrent":
         return recurrent_kda(q, k, v, g, beta, **kwargs)
-    if impl == "chunk" or gate_lower_bound is None:
+    if impl in ("chunk", "reference") or gate_lower_bound is None:
         return chunk_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     return _pallas_chunk_kda()(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=gate_lower_bound, **kwargs)
