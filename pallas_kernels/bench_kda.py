@@ -280,18 +280,22 @@ class JaxImpl:
 
     def time(self, mode, warmup, iters):
         _, args = self.functions[mode]
-        run = self.compiled[mode]
-        for _ in range(warmup):
-            jax.block_until_ready(run(*args))
-        times_ms = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(*args))
-            times_ms.append((time.perf_counter() - t0) * 1e3)
-        return summarize_ms(times_ms)
+        return summarize_ms(wall_times_ms(self.compiled[mode], args, warmup, iters))
 
     def release(self):
         self.compiled.clear()
+
+
+def wall_times_ms(run, args, warmup, iters):
+    """Wall-clock ms of `iters` calls of run(*args), each waited for, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(run(*args))
+    times_ms = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times_ms.append((time.perf_counter() - t0) * 1e3)
+    return times_ms
 
 
 def jax_memory(compiled):

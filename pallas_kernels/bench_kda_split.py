@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from k3.ops.kda import l2_normalize  # noqa: E402
 from pallas_kernels import kda as P  # noqa: E402
+from pallas_kernels.bench_kda import wall_times_ms  # noqa: E402
 
 
 def _time(fn, args, iters):
@@ -30,14 +31,7 @@ def _time(fn, args, iters):
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
-    for _ in range(3):
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return compile_s, float(np.median(times))
+    return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
 def split(shape, chunk, matmul_dtype, iters, warps=8):
