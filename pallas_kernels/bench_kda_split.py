@@ -3,7 +3,8 @@
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--out=FILE.json]
 
-A variant is chunk_size:matmul_dtype[:warps] (warps of the two chunk-parallel kernels, default 8). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
+A variant is chunk_size:matmul_dtype[:warps[:bk]] (warps of the two whole-chunk kernels, default 8;
+key block of the sub-tile backward, default 32). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
 [-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
 --iters calls after 3 warm-ups, wall clock with block_until_ready). Prints a table and writes JSON.
 """
@@ -34,8 +35,8 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
-def split(shape, chunk, matmul_dtype, iters, warps=8):
-    """Times of intra_fwd, state_fwd, state_bwd, inter_bwd, intra_bwd for one shape and variant."""
+def split(shape, chunk, matmul_dtype, iters, warps=8, bk=32):
+    """Median ms and compile s of each forward and backward kernel for one shape and variant."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
@@ -47,20 +48,24 @@ def split(shape, chunk, matmul_dtype, iters, warps=8):
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
-    cfg = dataclasses.replace(cfg, intra_warps=warps)
+    cfg = dataclasses.replace(cfg, intra_warps=warps, BK=min(bk, cfg.K))
     rows = {}
     w, u, aqk, Tm = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf)
     rows["intra_fwd"] = _time(lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf), iters)
-    o, vn, h, ht = P._state_fwd(cfg, q, k, G, w, u, aqk, mf, ml, h0t)
-    rows["state_fwd"] = _time(lambda *a: P._state_fwd(cfg, *a), (q, k, G, w, u, aqk, mf, ml, h0t), iters)
+    vn, h, ht = P._state_fwd(cfg, k, G, w, u, mf, ml, h0t)
+    rows["state_fwd"] = _time(lambda *a: P._state_fwd(cfg, *a), (k, G, w, u, mf, ml, h0t), iters)
+    rows["output_fwd"] = _time(lambda *a: P._output_fwd(cfg, *a, q.dtype), (q, G, mf, h, aqk, vn), iters)
     dht = jnp.zeros_like(ht)
     dh, dvn, _ = P._state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
     rows["state_bwd"] = _time(lambda *a: P._state_bwd(cfg, *a), (q, k, G, w, aqk, do, mf, ml, dht), iters)
     inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
     rows["inter_bwd"] = _time(lambda *a: P._inter_bwd(cfg, *a), inter_args, iters)
     dq0, dk0, dG0, dw = P._inter_bwd(cfg, *inter_args)
+    pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn, dw)
+    rows["pairs_bwd"] = _time(lambda *a: P._pairs_bwd(cfg, *a), pairs_args, iters)
+    _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args)
     rows["intra_bwd"] = _time(lambda *a: P._intra_bwd(cfg, *a),
-                              (q, k, v, G, beta, doc, mf, Tm, do, vn, dvn, dq0, dk0, dG0, dw), iters)
+                              (q, k, G, beta, doc, mf, Tm, dw, dA, dL, dq0, dk0, dG0), iters)
     return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
 
 

@@ -86,6 +86,7 @@ class _Cfg:
     K: int  # padded key dim
     V: int  # padded value dim
     BV: int  # value block of the sequential kernels
+    BK: int  # key block of the sub-tile backward kernel
     NT: int  # chunks per row
     scale: float
     mm_dtype: str  # operand and storage dtype of the large matmuls: 'bfloat16' or 'float32'
@@ -275,25 +276,36 @@ def _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg):
     return qg, kg, decay
 
 
-def _state_fwd_kernel(q_ref, k_ref, G_ref, w_ref, u_ref, aqk_ref, mf_ref, ml_ref, h0_ref,
-                      o_ref, vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
-    """One (row, head, value block): the chunk chain. The state is kept transposed, St = S^T [BV, K]."""
+def _state_fwd_kernel(k_ref, G_ref, w_ref, u_ref, mf_ref, ml_ref, h0_ref,
+                      vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
+    """One (row, head, value block): the chunk chain, two matmuls a step. The state is kept
+    transposed, St = S^T [BV, K]; the state entering each chunk is saved for the output kernel."""
     C, md, pm = cfg.C, cfg.md, cfg.prec_mm
     j = pl.program_id(0)
 
     def body(n, St):
         rows = pl.ds(n * C, C)
-        qg, kg, decay = _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg)
+        G = G_ref[rows, :]
+        G_last = G_ref[pl.ds(n * C + C - 1, 1), :]
+        kg = k_ref[rows, :].astype(jnp.float32) * jnp.exp(G_last - G) * ml_ref[rows][:, None]
+        # The old state survives the chunk only if the chunk's last token still belongs to its document.
+        decay = jnp.exp(G_last) * mf_ref[pl.ds(n * C + C - 1, 1)][None, :]
         h_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = St.astype(h_ref.dtype)
-        Sm = St.astype(md)
-        vn = u_ref[rows, :].astype(jnp.float32) - _mm_nt(w_ref[rows, :], Sm, pm)
+        vn = u_ref[rows, :].astype(jnp.float32) - _mm_nt(w_ref[rows, :], St.astype(md), pm)
         vnm = vn.astype(md)
-        o = _mm_nt(qg.astype(md), Sm, pm) + _mm(aqk_ref[rows, :], vnm, pm)
-        o_ref[rows, :] = o.astype(o_ref.dtype)
         vn_ref[rows, :] = vnm.astype(vn_ref.dtype)
         return St * decay + _mm_tn(vnm, kg.astype(md), pm)
 
     ht_ref[...] = lax.fori_loop(0, cfg.NT, body, h0_ref[...].astype(jnp.float32))
+
+
+def _output_fwd_kernel(q_ref, G_ref, mf_ref, h_ref, aqk_ref, vn_ref, o_ref, *, cfg: _Cfg):
+    """One chunk: o = (scale q e^Gamma) S_in + Aqk v_new [C, V] (rows of a document that starts inside
+    the chunk do not see S_in)."""
+    md, pm = cfg.md, cfg.prec_mm
+    qg = cfg.scale * q_ref[...].astype(jnp.float32) * jnp.exp(G_ref[...]) * mf_ref[...][:, None]
+    o = _mm_nt(qg.astype(md), h_ref[...].astype(md), pm) + _mm(aqk_ref[...], vn_ref[...].astype(md), pm)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -344,77 +356,64 @@ def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref
     dw_ref[...] = -_mm(dvn_ref[...].astype(md), Sh, pm)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
-                      dvn_ref, dq0_ref, dk0_ref, dG0_ref, dw_ref,
-                      dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, cfg: _Cfg):
-    """One chunk, the terms inside it: from dv_new, dw and the saved T back through u = T (beta v),
-    w = T kb, T = (I + L)^-1 and the Aqk / L sub-tiles; adds to the inter-chunk parts dq0, dk0, dG0."""
-    f32, md, pm, pt, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.C
+def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
+                      dvn_ref, dw_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
+    """One chunk, whole-chunk matmuls (no decay factors needed): from dv_new and dw back through
+    u = T (beta v), w = T kb and T = (I + L)^-1 to dv, the value part of dbeta, dL [C, C] and
+    dAqk [C, C] (both masked to the pairs that exist)."""
+    f32, pm, pt, C = jnp.float32, cfg.prec_mm, cfg.prec_tile, cfg.C
+    T = t_ref[...]
+    beta = beta_ref[...].astype(f32)[:, None]
+    v = v_ref[...].astype(f32)
+    kb = beta * mf_ref[...][:, None] * k_ref[...].astype(f32) * jnp.exp(G_ref[...])
+    dvn, dw = dvn_ref[...], dw_ref[...]
+    dvb = _mm_tn(T, dvn, pt)
+    dv_ref[...] = (beta * dvb).astype(dv_ref.dtype)
+    dbeta_ref[...] = jnp.sum(v * dvb, axis=1)
+    dT = _mm_nt(dvn, beta * v, pt) + _mm_nt(dw, kb, pt)
+    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    doc = doc_ref[...]
+    same = doc[:, None] == doc[None, :]
+    dL = -_mm_nt(_mm_tn(T, dT, _HI), T, _HI)
+    dl_ref[...] = jnp.where((row > col) & same, dL, 0.0)
+    dA = cfg.scale * _mm_nt(do_ref[...].astype(cfg.md), vn_ref[...].astype(cfg.md), pm)
+    da_ref[...] = jnp.where((row >= col) & same, dA, 0.0)
+
+
+def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
+                      dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
+    """One chunk and key block [C, BK], by sub-tiles: from dw (w = T kb) and dL, dAqk back through the
+    sub-tile factorisation to dq, dk, dGamma (added to the inter-chunk parts) and this key block's
+    part of dbeta."""
+    f32, pt, C = jnp.float32, cfg.prec_tile, cfg.C
     nb = C // _SUB
-    _, causal, strict = _tile_masks()
     tiles = _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
-    Tb = [[t_ref[pl.ds(r * _SUB, _SUB), pl.ds(c * _SUB, _SUB)] for c in range(nb)] for r in range(nb)]
 
     def rows(r):
         return pl.ds(r * _SUB, _SUB)
-
-    def dO(r):
-        return do_ref[rows(r), :].astype(md)
-
-    def vn(r):
-        return vn_ref[rows(r), :].astype(md)
-
-    def dvn(r):
-        return dvn_ref[rows(r), :]
-
-    def dw(r):
-        return dw_ref[rows(r), :]
-
-    def vb(c):
-        return tiles[c].beta * v_ref[rows(c), :].astype(f32)
-
-    def kb(c):
-        t = tiles[c]
-        return t.beta * t.mf * t.k * jnp.exp(t.G)
 
     dq = [dq0_ref[rows(r), :] for r in range(nb)]
     dk = [dk0_ref[rows(r), :] for r in range(nb)]
     dG = [dG0_ref[rows(r), :] for r in range(nb)]
 
-    # u = T (beta v), w = T kb: back to v, beta, k, Gamma through T^T.
     dbeta = []
     for c in range(nb):
-        dvb_c = sum(_mm_tn(Tb[r][c], dvn(r), pt) for r in range(c, nb))
-        dkb_c = sum(_mm_tn(Tb[r][c], dw(r), pt) for r in range(c, nb))
+        dkb_c = sum(_mm_tn(t_ref[rows(r), rows(c)], dw_ref[rows(r), :], pt) for r in range(c, nb))
         t = tiles[c]
         eG = jnp.exp(t.G)
-        dv_ref[rows(c), :] = (t.beta * dvb_c).astype(dv_ref.dtype)
         k_eG_dkb = t.k * eG * dkb_c
-        dbeta.append(jnp.sum(v_ref[rows(c), :].astype(f32) * dvb_c, axis=1)
-                     + t.mf[:, 0] * jnp.sum(k_eG_dkb, axis=1))
+        dbeta.append(t.mf[:, 0] * jnp.sum(k_eG_dkb, axis=1))
         dk[c] = dk[c] + t.beta * t.mf * eG * dkb_c
         dG[c] = dG[c] + t.beta * t.mf * k_eG_dkb
 
-    # dT on the lower blocks, then T = (I + L)^-1  =>  dL = -T^T dT T^T (strictly lower part).
-    dT = [[None] * nb for _ in range(nb)]
-    for r in range(nb):
-        for c in range(r + 1):
-            dT[r][c] = _mm_nt(dvn(r), vb(c), pt) + _mm_nt(dw(r), kb(c), pt)
-    Z = [[None] * nb for _ in range(nb)]
-    for a in range(nb):
-        for c in range(a + 1):
-            Z[a][c] = sum(_mm_nt(dT[a][b], Tb[c][b], _HI) for b in range(c + 1))
     for r in range(nb):
         t = tiles[r]
         for c in range(r + 1):
-            dL = -sum(_mm_tn(Tb[a][r], Z[a][c], _HI) for a in range(r, nb))
             rq, rk, row_f, col, col_f = _pair(tiles, r, c)
-            same = t.doc[:, None] == tiles[c].doc[None, :]
-            mask_a, mask_l = (causal & same, strict & same) if r == c else (same, same)
-            dA = jnp.where(mask_a, cfg.scale * _mm_nt(dO(r), vn(c), pm), 0.0)
-            dL = jnp.where(mask_l, dL, 0.0)
-            kk = _mm_nt(rk, col, pt)
-            dbeta[r] = dbeta[r] + jnp.sum(dL * kk, axis=1)
+            dA = da_ref[rows(r), rows(c)]
+            dL = dl_ref[rows(r), rows(c)]
+            dbeta[r] = dbeta[r] + jnp.sum(dL * _mm_nt(rk, col, pt), axis=1)
             dP = t.beta * dL
             Xq = _mm(dA, col, pt)
             Xk = _mm(dP, col, pt)
@@ -428,7 +427,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_r
     for r in range(nb):
         dq_ref[rows(r), :] = dq[r].astype(dq_ref.dtype)
         dk_ref[rows(r), :] = dk[r].astype(dk_ref.dtype)
-        dbeta_ref[rows(r)] = dbeta[r].astype(dbeta_ref.dtype)
+        dbeta_ref[rows(r)] = dbeta[r]
         dG_ref[rows(r), :] = dG[r]
 
 
@@ -492,26 +491,42 @@ def _intra_fwd(cfg, q, k, v, G, beta, doc, mf):
     )(q, k, v, G, beta, doc, mf)
 
 
-def _state_fwd(cfg, q, k, G, w, u, aqk, mf, ml, h0t):
-    """o, v_new [B, Tp, H, V], per-chunk states [B, H, NT * V, K], final state^T [B, H, V, K]."""
-    B, Tp, H, _ = q.shape
-    C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
+def _state_fwd(cfg, k, G, w, u, mf, ml, h0t):
+    """v_new [B, Tp, H, V], per-chunk states [B, H, NT * V, K], final state^T [B, H, V, K]."""
+    B, Tp, H, K = k.shape
+    V, NT = cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
     return pl.pallas_call(
         functools.partial(_state_fwd_kernel, cfg=cfg),
         grid=(V // cfg.BV, H, B),
-        in_specs=[stok(K), stok(K), stok(K), stok(K), vblk, stok(C), srow, srow, one_state],
-        out_specs=[vblk, vblk, states, one_state],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md),
+        in_specs=[stok(K), stok(K), stok(K), vblk, srow, srow, one_state],
+        out_specs=[vblk, states, one_state],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md),
                    jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
                    jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
         interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_state_fwd",
-    )(q, k, G, w, u, aqk, mf, ml, h0t)
+    )(k, G, w, u, mf, ml, h0t)
+
+
+def _output_fwd(cfg, q, G, mf, h, aqk, vn, out_dtype):
+    """o [B, Tp, H, V] from the saved states, Aqk and v_new, every chunk in parallel."""
+    B, Tp, H, K = q.shape
+    C, V, NT = cfg.C, cfg.V, cfg.NT
+    tok, _, per_row, state = _chunk_specs(cfg, B, H)
+    return pl.pallas_call(
+        functools.partial(_output_fwd_kernel, cfg=cfg),
+        grid=(NT, H, B),
+        in_specs=[tok(K), tok(K), per_row, state, tok(C), tok(V)],
+        out_specs=tok(V),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_output_fwd",
+    )(q, G, mf, h, aqk, vn)
 
 
 def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
     w, u, aqk, T = _intra_fwd(cfg, q, k, v, G, beta, doc, mf)
-    o, vn, h, ht = _state_fwd(cfg, q, k, G, w, u, aqk, mf, ml, h0t)
+    vn, h, ht = _state_fwd(cfg, k, G, w, u, mf, ml, h0t)
+    o = _output_fwd(cfg, q, G, mf, h, aqk, vn, q.dtype)
     return o, ht, (w, aqk, T, h, vn)
 
 
@@ -548,28 +563,53 @@ def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
     )(q, k, G, mf, ml, h, dh, do, vn, dvn)
 
 
-def _intra_bwd(cfg, q, k, v, G, beta, doc, mf, T, do, vn, dvn, dq0, dk0, dG0, dw):
-    """dq, dk [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, Tp, H], dGamma [B, Tp, H, K]."""
-    B, Tp, H, _ = q.shape
-    C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
+def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw):
+    """dv [B, Tp, H, V], the value part of dbeta [B, Tp, H] fp32, dL and dAqk [B, Tp, H, C] fp32."""
+    B, Tp, H, K = k.shape
+    C, V, NT = cfg.C, cfg.V, cfg.NT
     tok, per_tok, per_row, _ = _chunk_specs(cfg, B, H)
+    pairs = jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_pairs_bwd_kernel, cfg=cfg),
+        grid=(NT, H, B),
+        in_specs=[tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V),
+                  tok(K)],
+        out_specs=[tok(V), per_tok, tok(C), tok(C)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32),
+                   pairs, pairs],
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, cfg.intra_warps), name="kda_pairs_bwd",
+    )(k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
+
+
+def _intra_bwd(cfg, q, k, G, beta, doc, mf, T, dw, dA, dL, dq0, dk0, dG0):
+    """dq, dk [B, Tp, H, K], dGamma [B, Tp, H, K] fp32, and the key blocks' parts of dbeta
+    [K / BK, B, Tp, H] fp32."""
+    B, Tp, H, K = q.shape
+    C, BK, NT = cfg.C, cfg.BK, cfg.NT
+    nk = K // BK
+    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
+    pairs = pl.BlockSpec((None, C, None, C), lambda n, j, h, b: (b, n, h, 0))
+    per_tok = pl.BlockSpec((None, C, None), lambda n, j, h, b: (b, n, h))
+    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
+    part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, cfg=cfg),
-        grid=(NT, H, B),
-        in_specs=[tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V),
-                  tok(V), tok(K), tok(K), tok(K), tok(K)],
-        out_specs=[tok(K), tok(K), tok(V), per_tok, tok(K)],
+        grid=(NT, nk, H, B),
+        in_specs=[kblk, kblk, kblk, per_tok, per_row, per_row, pairs, kblk, pairs, pairs, kblk, kblk, kblk],
+        out_specs=[kblk, kblk, kblk, part],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                   jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
-                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, cfg.intra_warps), name="kda_intra_bwd",
-    )(q, k, v, G, beta, doc, mf, T, do, vn, dvn, dq0, dk0, dG0, dw)
+                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
+                   jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
+        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_intra_bwd",
+    )(q, k, G, beta, doc, mf, T, dw, dA, dL, dq0, dk0, dG0)
 
 
 def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, do, dht):
     dh, dvn, dh0 = _state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
     dq0, dk0, dG0, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
-    dq, dk, dv, dbeta, dG = _intra_bwd(cfg, q, k, v, G, beta, doc, mf, T, do, vn, dvn, dq0, dk0, dG0, dw)
+    dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
+    dq, dk, dG, dbeta_k = _intra_bwd(cfg, q, k, G, beta, doc, mf, T, dw, dA, dL, dq0, dk0, dG0)
+    dbeta = (dbeta_v + jnp.sum(dbeta_k, axis=0)).astype(beta.dtype)
     return dq, dk, dv, dG, dbeta, dh0
 
 
@@ -637,7 +677,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 32), NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
                interpret=interpret, exact=not low_precision)
 
     g = jnp.asarray(g).astype(jnp.float32)
