@@ -86,7 +86,7 @@ class _Cfg:
     K: int  # padded key dim
     V: int  # padded value dim
     BV: int  # value block of the sequential kernels
-    BK: int  # key block of the sub-tile backward kernel
+    BK: int  # key block of the K-blocked backward kernels (and column block of the pair kernel)
     NT: int  # chunks per row
     scale: float
     mm_dtype: str  # operand and storage dtype of the large matmuls: 'bfloat16' or 'float32'
@@ -335,7 +335,7 @@ def _state_bwd_kernel(q_ref, k_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, ml_re
 def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
                       dq_ref, dk_ref, dG_ref, dw_ref, *, cfg: _Cfg):
     """One chunk, the terms through the states: o = qg S_in, S_out = decay S_in + kg^T v_new,
-    v_new = u - w S_in. Whole-chunk matmuls; writes the first parts of dq, dk, dGamma and dw [C, K]."""
+    v_new = u - w S_in. One key block [C, BK]; writes the first parts of dq, dk, dGamma and dw."""
     f32, md, pm, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.C
     G = G_ref[...]
     G_end = G_ref[pl.ds(C - 1, 1), :]
@@ -364,13 +364,22 @@ def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
     f32, pm, pt, C = jnp.float32, cfg.prec_mm, cfg.prec_tile, cfg.C
     T = t_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
-    v = v_ref[...].astype(f32)
-    kb = beta * mf_ref[...][:, None] * k_ref[...].astype(f32) * jnp.exp(G_ref[...])
-    dvn, dw = dvn_ref[...], dw_ref[...]
-    dvb = _mm_tn(T, dvn, pt)
-    dv_ref[...] = (beta * dvb).astype(dv_ref.dtype)
-    dbeta_ref[...] = jnp.sum(v * dvb, axis=1)
-    dT = _mm_nt(dvn, beta * v, pt) + _mm_nt(dw, kb, pt)
+    bmf = beta * mf_ref[...][:, None]
+    # Column blocks keep only [C, BK] slices of the [C, V] and [C, K] operands live (whole ones spill).
+    dT = jnp.zeros((C, C), f32)
+    dbeta = jnp.zeros((C,), f32)
+    for j in range(cfg.V // cfg.BK):
+        cols = pl.ds(j * cfg.BK, cfg.BK)
+        dvn, v = dvn_ref[:, cols], v_ref[:, cols].astype(f32)
+        dvb = _mm_tn(T, dvn, pt)
+        dv_ref[:, cols] = (beta * dvb).astype(dv_ref.dtype)
+        dbeta = dbeta + jnp.sum(v * dvb, axis=1)
+        dT = dT + _mm_nt(dvn, beta * v, pt)
+    for j in range(cfg.K // cfg.BK):
+        cols = pl.ds(j * cfg.BK, cfg.BK)
+        kb = bmf * k_ref[:, cols].astype(f32) * jnp.exp(G_ref[:, cols])
+        dT = dT + _mm_nt(dw_ref[:, cols], kb, pt)
+    dbeta_ref[...] = dbeta
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     doc = doc_ref[...]
@@ -548,16 +557,20 @@ def _state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht):
 
 
 def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
-    """Inter-chunk parts of dq, dk, dGamma and dw, each [B, Tp, H, K] fp32."""
-    B, Tp, H, _ = q.shape
-    K, V, NT = cfg.K, cfg.V, cfg.NT
-    tok, _, per_row, state = _chunk_specs(cfg, B, H)
+    """Inter-chunk parts of dq, dk, dGamma and dw, each [B, Tp, H, K] fp32; every term is per key
+    channel, so the grid splits the keys into blocks."""
+    B, Tp, H, K = q.shape
+    C, BK, V, NT = cfg.C, cfg.BK, cfg.V, cfg.NT
+    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
+    vtok = pl.BlockSpec((None, C, None, V), lambda n, j, h, b: (b, n, h, 0))
+    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
+    state = pl.BlockSpec((None, None, V, BK), lambda n, j, h, b: (b, h, n, j))
     f32 = jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)
     return pl.pallas_call(
         functools.partial(_inter_bwd_kernel, cfg=cfg),
-        grid=(NT, H, B),
-        in_specs=[tok(K), tok(K), tok(K), per_row, per_row, state, state, tok(V), tok(V), tok(V)],
-        out_specs=[tok(K)] * 4,
+        grid=(NT, K // BK, H, B),
+        in_specs=[kblk, kblk, kblk, per_row, per_row, state, state, vtok, vtok, vtok],
+        out_specs=[kblk] * 4,
         out_shape=[f32] * 4,
         interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_inter_bwd",
     )(q, k, G, mf, ml, h, dh, do, vn, dvn)
@@ -677,7 +690,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 32), NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, V, 32), NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
                interpret=interpret, exact=not low_precision)
 
     g = jnp.asarray(g).astype(jnp.float32)
