@@ -1,7 +1,7 @@
 """Benchmark of chunked Kimi Delta Attention: our Pallas kernel, the jnp reference, and fla's Triton kernel.
 
     python -m pallas_kernels.bench_kda [--shapes=8x4096x16x128,2x16384x32x128,...]
-        [--impls=pallas,reference,fla] [--out=FILE.json] [--warmup=5] [--iters=20] [--check | --no-check]
+        [--impls=pallas,reference,fla] [--chunk-size=64] [--out=FILE.json] [--warmup=5] [--iters=20] [--check | --no-check]
 
 Implementations (all on IDENTICAL inputs, made once per shape from a fixed seed):
   pallas     `pallas_kernels.kda.chunk_kda` (interpret mode on CPU, compiled elsewhere)
@@ -675,6 +675,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON file (default $OUT/bench_kda.json, else ./bench_kda.json)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (JAX impls)")
     p.add_argument("--iters", type=int, default=20, help="timed calls (JAX impls)")
+    p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE, choices=(16, 32, 64),
+                   help="chunk of the pallas and reference implementations (default 64)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare outputs and gradients before timing (default on)")
     args = p.parse_args(argv)
@@ -686,6 +688,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    global CHUNK_SIZE
+    CHUNK_SIZE = args.chunk_size
     interpret = jax.default_backend() == "cpu"  # the Pallas kernel runs interpreted on CPU only
     report = dict(
         versions=versions(),
