@@ -75,6 +75,8 @@ def default_config() -> ConfigDict:
     e.balancing = "quantile_hist"  # 'quantile_hist', 'quantile', 'sign' or 'none'
     e.sign_rate = 1e-3
     e.hist_bins = 1000
+    e.capacity_factor = 0.0  # expert-parallel all-to-all: 0 = dropless; c > 0 caps each device at c N k / P routes
+    e.ep_dispatch = "auto"  # 'auto' (ragged on GPU/TPU, padded on CPU), 'padded', 'ragged'
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
@@ -95,6 +97,14 @@ def default_config() -> ConfigDict:
     o.qk_clip = False
     o.qk_clip_tau = 100.0
     o.per_head_muon = False
+
+    h = c.mesh = ConfigDict()  # device mesh sizes (k3.sharding); -1 fills the rest; all 1: one device
+    h.data = 1
+    h.fsdp = 1
+    h.expert = 1
+    h.context = 1
+    h.tensor = 1
+    h.rule_overrides = ""  # 'logical=axis+axis,...' on top of k3.sharding.DEFAULT_RULES
 
     d = c.data = ConfigDict()
     d.source = "stdlib"  # 'stdlib' (embedded default corpus), 'text_dir', 'jsonl', 'tokens'
@@ -131,6 +141,7 @@ _CHOICES = {
     "model.kda.gate": ("bounded", "softplus"),
     "model.kda.impl": ("chunk", "reference", "recurrent", "pallas"),
     "model.moe.balancing": ("quantile_hist", "quantile", "sign", "none"),
+    "model.moe.ep_dispatch": ("auto", "padded", "ragged", "ragged_emulated"),
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd"),
     "data.source": ("stdlib", "text_dir", "jsonl", "tokens"),
@@ -198,6 +209,13 @@ def validate(cfg: ConfigDict) -> ConfigDict:
         raise ConfigError("data.seq_len and data.batch_size must be > 0")
     if cfg.optim.grad_accum <= 0 or cfg.data.batch_size % cfg.optim.grad_accum:
         raise ConfigError("optim.grad_accum must be > 0 and divide data.batch_size")
+    for axis in ("data", "fsdp", "expert", "context", "tensor"):
+        if cfg.mesh[axis] == 0 or cfg.mesh[axis] < -1:
+            raise ConfigError(f"config key mesh.{axis} must be a positive size or -1, got {cfg.mesh[axis]}")
+    if sum(cfg.mesh[a] == -1 for a in ("data", "fsdp", "expert", "context", "tensor")) > 1:
+        raise ConfigError("at most one mesh axis may be -1")
+    if m.moe.capacity_factor < 0:
+        raise ConfigError(f"model.moe.capacity_factor must be >= 0, got {m.moe.capacity_factor}")
     if not math.isfinite(cfg.optim.lr) or cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr must be a positive number, got {cfg.optim.lr}")
     return cfg

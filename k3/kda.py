@@ -20,6 +20,7 @@ from flax import nnx
 
 from k3.nn import cast, normal, ones, param, rms_norm, zeros
 from k3.ops.kda import kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
+from k3.sharding import Sharder
 
 
 def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -53,12 +54,19 @@ def _a_log_softplus_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
 
 
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 class KDA(nnx.Module):
     """Kimi Delta Attention layer; see the module docstring. x: [B, T, D] -> [B, T, D]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, sharder: Sharder | None = None):
         k = cfg.kda
         D, H, K = cfg.d_model, k.n_heads, k.head_dim
+        self.sharder = sharder
         self.n_heads, self.head_dim, self.eps = H, K, cfg.norm_eps
         self.gate_kind, self.lower_bound = k.gate, k.gate_lower_bound
         self.impl, self.chunk_size = k.impl, k.chunk_size
@@ -108,10 +116,21 @@ class KDA(nnx.Module):
         k = l2_normalize(self._branch(x, self.w_k, self.conv_k, segment_ids_BT)).astype(self.dtype)
         v = self._branch(x, self.w_v, self.conv_v, segment_ids_BT).astype(self.dtype)
         g, beta = self.gates(x)
-        o, state = kda_core(q, k, v, g, beta, impl=self.impl, initial_state=initial_state,
-                            output_final_state=return_state, segment_ids=segment_ids_BT,
-                            chunk_size=self.chunk_size,
-                            gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
+        kwargs = dict(impl=self.impl, initial_state=initial_state, output_final_state=return_state,
+                      chunk_size=self.chunk_size,
+                      gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
+        sh = self.sharder
+        if sh is not None and (sh.size("context") > 1 or self.impl == "pallas"):
+            # The sequence is split (state pairs composed across devices), or the Pallas kernel
+            # needs its per-device blocks: run the core per device under shard_map.
+            from k3.context_parallel import kda_core_sharded
+
+            B, T, H, _ = q.shape
+            o, state = kda_core_sharded(
+                sh.mesh, q, k, v, g, beta, segment_ids_BT, batch_axes=_axes(sh.spec(("batch",), (B,))[0]),
+                head_axis=sh.spec(("act_heads",), (H,))[0], context_axis="context", **kwargs)
+        else:
+            o, state = kda_core(q, k, v, g, beta, segment_ids=segment_ids_BT, **kwargs)
         o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
         gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
         o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)

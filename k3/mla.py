@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.nn import RMSNorm, cast, normal, param
+from k3.sharding import Sharder
 
 
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
@@ -88,9 +89,10 @@ def qk_clip(mla: "MLA", max_logit_H: jax.Array, tau: float) -> None:
 class MLA(nnx.Module):
     """Multi-head latent attention layer; see the module docstring. x: [B, T, D] -> [B, T, D]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, sharder: Sharder | None = None):
         a = cfg.mla
         D, H = cfg.d_model, a.n_heads
+        self.sharder = sharder
         self.n_heads, self.nope, self.rope, self.v_dim = H, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
         self.kv_lora = a.kv_lora_rank
         self.use_rope, self.theta = a.use_rope, a.rope_theta
@@ -143,7 +145,18 @@ class MLA(nnx.Module):
             positions_BT = (segment_positions(segment_ids_BT) if segment_ids_BT is not None
                             else jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2]))
         q, k, v = self.project_qkv(x_BTD, positions_BT)
-        o = attention(q, k, v, segment_ids_BT, self.scale)
+        sh = self.sharder
+        if sh is not None and sh.size("context") > 1:
+            # The sequence is split: each device's queries attend to the gathered keys and values.
+            from k3.context_parallel import mla_attention_sharded
+
+            B, T, H, _ = q.shape
+            batch = sh.spec(("batch",), (B,))[0]
+            o = mla_attention_sharded(sh.mesh, q, k, v, segment_ids_BT, self.scale,
+                                      batch_axes=(batch,) if isinstance(batch, str) else tuple(batch or ()),
+                                      head_axis=sh.spec(("act_heads",), (H,))[0], context_axis="context")
+        else:
+            o = attention(q, k, v, segment_ids_BT, self.scale)
         max_logit = max_attention_logit(q, k, segment_ids_BT, self.scale) if return_max_logit else None
         if self.w_gate is not None:
             gate = jnp.einsum("btd,dhk->bthk", x_BTD.astype(self.dtype), cast(self.w_gate, self.dtype))

@@ -20,24 +20,43 @@ from k3.kda import KDA
 from k3.mla import MLA, qk_clip
 from k3.moe import MoE, new_bias
 from k3.nn import RMSNorm, cast, normal, param
+from k3.sharding import Sharder, constrain
+
+_ACT_BTD = ("batch", "seq", "act_embed")
+
+
+def _constrain_stream(stream: dict, sharder: Sharder | None) -> dict:
+    """Pins the residual stream's activations (and the AttnRes bank [M, B, T, D]) to the batch layout."""
+    if sharder is None:
+        return stream
+    out = dict(stream)
+    for key in ("h", "partial"):
+        if key in out:
+            out[key] = constrain(out[key], _ACT_BTD, sharder)
+    if "bank" in out:
+        out["bank"] = constrain(out["bank"], (None,) + _ACT_BTD, sharder)
+    return out
 
 
 class DecoderLayer(nnx.Module):
     """One layer: [AttnRes mix] -> norm -> mixer -> add; [AttnRes mix] -> norm -> FFN -> add."""
 
-    def __init__(self, cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs, track_max_logit: bool = False):
+    def __init__(self, cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs, track_max_logit: bool = False,
+                 sharder: Sharder | None = None):
         self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.sharder = sharder
         self.track_max_logit = track_max_logit and mixer == "mla"
         self.block_size = cfg.attn_res_block_size
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
+        self.mixer = (KDA(cfg, rngs=rngs, sharder=sharder) if mixer == "kda"
+                      else MLA(cfg, rngs=rngs, sharder=sharder))
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if ffn == "dense":
             self.ffn = GLUMLP(cfg.d_model, cfg.dense_ffn_dim, activation=cfg.activation,
                               init_std=cfg.init_std, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
                               beta_gate=cfg.situ_beta_gate, beta_up=cfg.situ_beta_up)
         else:
-            self.ffn = MoE(cfg, rngs=rngs)
+            self.ffn = MoE(cfg, rngs=rngs, sharder=sharder)
         if cfg.residual == "attn_res":
             self.attn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs)
             self.ffn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs)
@@ -47,6 +66,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, stream: dict, layer_idx, segment_ids_BT):
         """Returns the updated stream and this layer's statistics: MoE routing ('load', 'balance')
         and, when tracked, the MLA per-head max logit ('max_logit'); {} when there are none."""
+        stream = _constrain_stream(stream, self.sharder)
         x = attn_res.read(stream, self.attn_mix)
         stats = {}
         if self.track_max_logit:
@@ -60,7 +80,7 @@ class DecoderLayer(nnx.Module):
             stats.update(layer_stats)
         else:
             f = self.ffn(self.ffn_norm(x))
-        return attn_res.add_ffn(stream, f), stats
+        return _constrain_stream(attn_res.add_ffn(stream, f), self.sharder), stats
 
 
 AttnResMix = attn_res.AttnResMix
@@ -69,9 +89,10 @@ AttnResMix = attn_res.AttnResMix
 class LayerGroup(nnx.Module):
     """One period of consecutive layers (e.g. KDA, KDA, KDA, MLA), the unit that is scanned."""
 
-    def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs, track_max_logit: bool = False):
-        self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs, track_max_logit=track_max_logit)
-                                for m, f in kinds])
+    def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs, track_max_logit: bool = False,
+                 sharder: Sharder | None = None):
+        self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs, track_max_logit=track_max_logit,
+                                             sharder=sharder) for m, f in kinds])
 
     def __call__(self, stream: dict, first_idx, segment_ids_BT):
         stats = []
@@ -103,10 +124,14 @@ class Model(nnx.Module):
     """K2-style or K3-style decoder LM, built from a validated ``cfg.model`` ConfigDict.
 
     ``track_max_logit`` makes MLA layers report their per-head max attention logit (QK-Clip).
+    ``sharder`` (a mesh and the logical-axis rules, `k3.sharding`) makes the layers constrain their
+    activations, run the routed experts expert-parallel and, on a ``context`` axis, split the
+    sequence; None runs on one device.
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs, track_max_logit: bool = False):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, track_max_logit: bool = False, sharder: Sharder | None = None):
         kinds = layer_kinds(cfg)
+        self.sharder = sharder
         self.remat = cfg.remat
         self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
         self.n_slots = attn_res.n_bank_slots(cfg.n_layers, cfg.attn_res_block_size)
@@ -114,21 +139,21 @@ class Model(nnx.Module):
         self.head_idx, self.tail_idx = tuple(head), tuple(tail)
         self.body_start, self.body_period, self.body_repeats = start, period, repeats
         self.embed = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.head_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit)
-                                     for i in head])
+        self.head_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit,
+                                                  sharder=sharder) for i in head])
         if repeats:
             pattern = kinds[start:start + period]
 
             @nnx.split_rngs(splits=repeats)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_body(r):
-                return LayerGroup(cfg, pattern, rngs=r, track_max_logit=track_max_logit)
+                return LayerGroup(cfg, pattern, rngs=r, track_max_logit=track_max_logit, sharder=sharder)
 
             self.body = make_body(rngs)
         else:
             self.body = None
-        self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit)
-                                     for i in tail])
+        self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit,
+                                                  sharder=sharder) for i in tail])
         self.out_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs) if cfg.residual == "attn_res" else None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -140,6 +165,7 @@ class Model(nnx.Module):
         period, each stacked over repeats], 'tail': [per layer]}; a dense layer's entry is {}.
         """
         emb = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        emb = constrain(emb, _ACT_BTD, self.sharder)
         stream = attn_res.init_stream(emb, self.residual, self.n_slots)
         stats = {"head": [], "body": [], "tail": []}
         for i, layer in zip(self.head_idx, self.head_layers):
@@ -174,6 +200,7 @@ class Model(nnx.Module):
         """
         h, stats = self.hidden(tokens_BT, segment_ids_BT)
         logits = jnp.einsum("btd,dv->btv", h, cast(self.lm_head, self.dtype))
+        logits = constrain(logits, ("batch", "seq", "act_vocab"), self.sharder)
         return logits, {"expert_load": expert_loads(stats), "layer_stats": stats}
 
 

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3 import balancing
+from k3.expert_parallel import routed_experts_sharded
 from k3.ffn import GLUMLP, glu_activation
 from k3.nn import RMSNorm, cast, normal, param
+from k3.sharding import Sharder
 
 
 class RouterBias(nnx.Variable):
@@ -57,9 +59,13 @@ def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, be
 class MoE(nnx.Module):
     """Routed experts (+ optional latent projection) + shared experts. x: [B, T, D] -> [B, T, D]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, sharder: Sharder | None = None):
         e = cfg.moe
         D, E = cfg.d_model, e.n_experts
+        self.sharder, self.capacity_factor = sharder, e.capacity_factor
+        self.ep_dispatch = e.ep_dispatch
+        if self.ep_dispatch == "auto":
+            self.ep_dispatch = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
         self.n_experts, self.top_k, self.scaling = E, e.top_k, e.routed_scaling
         self.balancing, self.hist_bins = e.balancing, e.hist_bins
         self.activation, self.betas = cfg.activation, (cfg.situ_beta_gate, cfg.situ_beta_up)
@@ -97,19 +103,47 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D).astype(self.dtype)
         idx, weights, scores, alpha = self.route(x)
-        stats = self.stats(idx, scores, alpha)
         h = x
         if self.w_down_latent is not None:
             h = x @ cast(self.w_down_latent, self.dtype)
-        experts = ragged_experts if self.dispatch == "ragged" else dense_experts
-        out_NkL = experts(h, idx, cast(self.w_gate, self.dtype), cast(self.w_up, self.dtype),
-                          cast(self.w_down, self.dtype), self.activation, self.betas)
-        y = jnp.einsum("nkl,nk->nl", out_NkL.astype(jnp.float32), weights).astype(self.dtype)
+        w_gate, w_up, w_down = (cast(w, self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if self.sharder is not None:
+            y, stats = self._routed_sharded(h, idx, weights, scores, alpha, (B, T), w_gate, w_up, w_down)
+        else:
+            stats = self.stats(idx, scores, alpha)
+            experts = ragged_experts if self.dispatch == "ragged" else dense_experts
+            out_NkL = experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas)
+            y = jnp.einsum("nkl,nk->nl", out_NkL.astype(jnp.float32), weights)
+        y = y.astype(self.dtype)
         if self.w_up_latent is not None:
             y = self.latent_norm(y) @ cast(self.w_up_latent, self.dtype)
         if self.shared is not None:
             y = y + self.shared(x)
         return y.reshape(B, T, D), stats
+
+    def _routed_sharded(self, h_NW, idx_Nk, weights_Nk, scores_NE, alpha_N, bt, w_gate, w_up, w_down):
+        """Expert-parallel routed experts on the mesh; statistics summed over the devices."""
+        B, T = bt
+        to_bt = lambda a: a.reshape((B, T) + a.shape[1:])  # noqa: E731
+        bias = jax.lax.stop_gradient(self.router_bias[...])
+        E, bins = self.n_experts, self.hist_bins
+        if self.balancing == "quantile_hist":
+            def stats_fn(idx, scores, alpha):
+                return {"load": balancing.expert_load(idx, E),
+                        "balance": balancing.quantile_histogram(scores, alpha, bias, bins)}
+            stats_inputs = (to_bt(jax.lax.stop_gradient(scores_NE)), to_bt(alpha_N))
+        else:
+            def stats_fn(idx):
+                return {"load": balancing.expert_load(idx, E)}
+            stats_inputs = ()
+        y, dropped, stats = routed_experts_sharded(
+            self.sharder, to_bt(h_NW), to_bt(idx_Nk), to_bt(weights_Nk), w_gate, w_up, w_down,
+            activation=self.activation, betas=self.betas, capacity_factor=self.capacity_factor,
+            stats_fn=stats_fn, stats_inputs=stats_inputs, dispatch=self.ep_dispatch)
+        if self.balancing == "quantile":  # the exact quantile needs every token's margins at once
+            stats["balance"] = balancing.quantile_bias_exact(jax.lax.stop_gradient(scores_NE), alpha_N, self.top_k)
+        stats["dropped"] = dropped.astype(jnp.float32)
+        return y.reshape(B * T, -1), stats
 
     def stats(self, idx_Nk, scores_NE, alpha_N) -> dict:
         """Statistics for the bias update: 'load' [E] always; 'balance' = the QB histogram

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from k3 import optim
+from k3 import optim, sharding
 from k3.config import ConfigError, validate
 from k3.data import DataError, build_datasets
 from k3.model import Model, apply_qk_clip, cross_entropy, update_router_biases
@@ -66,18 +66,72 @@ class Run:
     schedule: Any
     train_step: Any
     eval_step: Any
+    sharder: sharding.Sharder | None = None
+    state_shardings: Any = None  # pytree of NamedSharding like the state (None on one device)
+    loss_fn: Any = None  # (params, rest, batch) -> (mean loss, aux), for tests and tools
+
+    def put_batch(self, batch: dict) -> dict:
+        """Host batch -> device arrays laid out on the mesh (each process passes its own rows)."""
+        if self.sharder is None:
+            return batch
+        out = {}
+        for key, x in batch.items():
+            sh = sharding.batch_sharding(self.sharder, np.ndim(x))
+            if jax.process_count() > 1:
+                # Every process reads the same global batch (same data order); each places the rows
+                # of its own devices.
+                x = np.asarray(x)
+                out[key] = jax.make_array_from_callback(x.shape, sh, lambda idx, x=x: x[idx])
+            else:
+                out[key] = jax.device_put(x, sh)
+        return out
 
 
-def init_model(cfg):
+def make_sharder(cfg) -> sharding.Sharder | None:
+    """The run's mesh and rules from ``cfg.mesh``, or None when the mesh is one device.
+
+    Without a -1 the mesh takes the first prod(sizes) devices; with one it takes them all.
+    """
+    sizes = {a: cfg.mesh[a] for a in sharding.MESH_AXES}
+    devices = jax.devices()
+    if -1 not in sizes.values():
+        n = math.prod(sizes.values())
+        if n > len(devices):
+            raise RunError(f"the mesh {sizes} needs {n} devices but only {len(devices)} are available")
+        devices = devices[:n]
+    try:
+        rules = sharding.parse_rules(cfg.mesh.rule_overrides)
+        mesh = sharding.make_mesh(cfg.mesh, devices)
+    except ValueError as e:
+        raise RunError(f"bad mesh: {e}") from e
+    if mesh.size == 1:
+        return None
+    sh = sharding.Sharder(mesh, rules)
+    batch_devices = math.prod(sh.size(a) for a in sh.axes_for("batch"))
+    micro = cfg.data.batch_size // cfg.optim.grad_accum
+    if micro % batch_devices:
+        raise RunError(f"the micro-batch of {micro} rows (data.batch_size / optim.grad_accum) must be a "
+                       f"multiple of the {batch_devices} devices that split the batch "
+                       f"({', '.join(f'mesh.{a}' for a in sh.axes_for('batch'))})")
+    if cfg.data.seq_len % sh.size("context"):
+        raise RunError(f"data.seq_len={cfg.data.seq_len} must be a multiple of mesh.context={sh.size('context')}")
+    return sh
+
+
+def init_model(cfg, sharder: sharding.Sharder | None = None):
     """(graphdef, params, rest) of a freshly initialised model, built inside one ``jax.jit``.
 
-    Eager construction would compile one small XLA program per parameter shape.
+    Eager construction would compile one small XLA program per parameter shape. With a sharder the
+    parameters are created directly in their sharded layout (never whole on one device).
     """
     def build():
-        return Model(cfg.model, rngs=nnx.Rngs(cfg.seed), track_max_logit=cfg.optim.qk_clip)
+        return Model(cfg.model, rngs=nnx.Rngs(cfg.seed), track_max_logit=cfg.optim.qk_clip, sharder=sharder)
 
-    graphdef, _, _ = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
-    params, rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:])()
+    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    out_shardings = None
+    if sharder is not None:
+        out_shardings = (sharding.state_shardings(abs_params, sharder), sharding.state_shardings(abs_rest, sharder))
+    params, rest = jax.jit(lambda: tuple(nnx.split(build(), nnx.Param, ...)[1:]), out_shardings=out_shardings)()
     return graphdef, params, rest
 
 
@@ -96,11 +150,28 @@ def _combine_stats(stats_A: Any, balancing: str) -> Any:
 def make_run(cfg) -> tuple[Run, dict]:
     """Builds the model, optimizer and jitted steps; returns (run, fresh state).
 
-    state = {'params', 'rest' (router biases), 'opt', 'step'}.
+    state = {'params', 'rest' (router biases), 'opt', 'step'}. On a multi-device mesh (``cfg.mesh``)
+    the parameters, router biases and optimizer state are sharded by the logical-axis rules and the
+    steps are compiled with those shardings in and out (the state is donated).
     """
-    graphdef, params, rest = init_model(cfg)
+    sharder = make_sharder(cfg)
+    graphdef, params, rest = init_model(cfg, sharder)
     tx, schedule = optim.build_optimizer(cfg, params)
-    state = {"params": params, "rest": rest, "opt": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
+    state_sh = batch_sh = None
+    if sharder is not None:
+        p_sh = sharding.state_shardings(params, sharder)
+        sharding.check_sharded(params, p_sh)
+        opt_abs = jax.eval_shape(tx.init, params)
+        opt_sh = sharding.tree_shardings_like(opt_abs, nnx.to_pure_dict(params), nnx.to_pure_dict(p_sh), sharder)
+        state_sh = {"params": p_sh, "rest": sharding.state_shardings(rest, sharder), "opt": opt_sh,
+                    "step": sharder.replicated()}
+        batch_sh = {k: sharding.batch_sharding(sharder) for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+        opt = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    else:
+        opt = jax.jit(tx.init)(params)
+    state = {"params": params, "rest": rest, "opt": opt, "step": jnp.zeros((), jnp.int32)}
+    if sharder is not None:
+        state["step"] = jax.device_put(state["step"], sharder.replicated())
     accum = cfg.optim.grad_accum
 
     def loss_fn(params, rest, batch):
@@ -111,7 +182,9 @@ def make_run(cfg) -> tuple[Run, dict]:
 
     def train_step(state, batch):
         params, rest = state["params"], state["rest"]
-        micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
+        # Micro-batch i takes rows i, i + accum, ...: each device's rows stay on it.
+        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1),
+                             batch)
 
         def one(carry, mb):
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, mb)
@@ -133,7 +206,7 @@ def make_run(cfg) -> tuple[Run, dict]:
         imbalance = (jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-9)
                      if loads.size else jnp.zeros((0,)))
         metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "expert_imbalance": imbalance}
+                   "expert_imbalance": imbalance, "dropped_routes": _dropped(stats)}
         return {"params": params, "rest": rest, "opt": opt, "step": state["step"] + 1}, metrics
 
     def eval_step(state, batch):
@@ -144,17 +217,41 @@ def make_run(cfg) -> tuple[Run, dict]:
         mask = batch["loss_mask"].astype(jnp.float32)
         return jnp.sum(nll * mask), jnp.sum(mask)
 
-    run = Run(cfg=cfg, graphdef=graphdef, tx=tx, schedule=schedule,
-              train_step=jax.jit(train_step, donate_argnums=0), eval_step=jax.jit(eval_step))
+    if sharder is None:
+        train_jit = jax.jit(train_step, donate_argnums=0)
+        eval_jit = jax.jit(eval_step)
+    else:
+        rep = sharder.replicated()
+        train_jit = jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
+                            donate_argnums=0)
+        eval_jit = jax.jit(eval_step, in_shardings=(state_sh, batch_sh), out_shardings=(rep, rep))
+    run = Run(cfg=cfg, graphdef=graphdef, tx=tx, schedule=schedule, train_step=train_jit, eval_step=eval_jit,
+              sharder=sharder, state_shardings=state_sh, loss_fn=loss_fn)
     return run, state
+
+
+def _dropped(stats: dict) -> jax.Array:
+    """Routes dropped by the expert-parallel capacity, summed over layers (0 when dropless)."""
+    total = jnp.zeros((), jnp.float32)
+    for st in stats["head"] + stats["body"] + stats["tail"]:
+        if "dropped" in st:
+            total = total + jnp.sum(st["dropped"])
+    return total
+
+
+def to_host(x) -> np.ndarray:
+    """A (replicated) result as a numpy array, also when its devices span several processes."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
 
 
 def evaluate(run: Run, state: dict, val_source, n_batches: int) -> dict:
     """Held-out loss: nats/token and bits/byte (None when the byte count is unknown)."""
     total, count = 0.0, 0.0
     for batch in val_source.val_batches(n_batches):
-        s, c = run.eval_step(state, batch)
-        total, count = total + float(s), count + float(c)
+        s, c = run.eval_step(state, run.put_batch(batch))
+        total, count = total + float(to_host(s)), count + float(to_host(c))
     nats = total / max(count, 1.0)
     return {"val_loss": nats, "val_bits_per_byte": val_source.bits_per_byte(nats), "val_tokens": int(count)}
 
@@ -166,10 +263,34 @@ def evaluate(run: Run, state: dict, val_source, n_batches: int) -> dict:
 IDENTITY_SECTIONS = ("model", "data", "optim", "seed")
 
 
+# Knobs inside the identity sections that change how, not what, is computed.
+NOT_IDENTITY = ("model.moe.ep_dispatch",)
+
+
 def run_identity(cfg) -> dict:
-    """The parts of the config that define a run (``steps`` and logging knobs may change on resume)."""
-    d = json.loads(cfg.to_json())
-    return {k: d[k] for k in IDENTITY_SECTIONS}
+    """The parts of the config that define a run (``steps``, logging and mesh knobs may change on resume)."""
+    d = json.loads(cfg.to_json()) if not isinstance(cfg, dict) else cfg
+    out = {k: d[k] for k in IDENTITY_SECTIONS if k in d}
+    for key in NOT_IDENTITY:
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p, {})
+        node.pop(leaf, None)
+    return out
+
+
+def with_schema_defaults(saved: dict) -> dict:
+    """A saved config (JSON dict) with the keys added to the schema since it was written, at their
+    defaults (which keep the behaviour of the code that wrote it)."""
+    from k3.config import default_config
+
+    def merge(default, given):
+        if not isinstance(default, dict) or not isinstance(given, dict):
+            return given
+        return {**default, **{k: merge(default.get(k), v) for k, v in given.items()}}
+
+    return merge(json.loads(default_config().to_json()), saved)
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -194,7 +315,7 @@ def check_workdir(cfg, workdir: Path) -> bool:
             saved = json.loads(run_file.read_text())
         except json.JSONDecodeError as e:
             raise RunError(f"{run_file} is corrupt ({e}); refusing to touch workdir {workdir}") from e
-        diff = _diff_keys(saved.get("identity"), run_identity(cfg))
+        diff = _diff_keys(run_identity(with_schema_defaults(saved.get("identity") or {})), run_identity(cfg))
         if diff:
             raise RunError(f"workdir {workdir} holds another run's checkpoints (config differs in: "
                            f"{', '.join(diff[:8])}); use a new --workdir")
@@ -229,12 +350,18 @@ def save_checkpoint(mngr, state: dict, data_state: dict, cfg) -> None:
     """Saves the train state and the data iterator position at ``state['step']``."""
     import orbax.checkpoint as ocp
 
-    step = int(state["step"])
+    step = int(to_host(state["step"]))
     meta = {"data": data_state, "step": step, "config": json.loads(cfg.to_json())}
     # The next train step donates ``state``; an async save may still be reading it (on CPU the host
     # "copy" can alias the device buffer), so save a private copy.
     state = jax.tree.map(jnp.copy, state)
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+
+def abstract_like(state):
+    """Shapes, dtypes and shardings of a state: restoring into it lays a checkpoint saved on any
+    mesh out on this run's mesh."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 def restore_checkpoint(mngr, abstract_state: dict, step: int | None = None):
@@ -303,35 +430,42 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
     if workdir.exists() and not workdir.is_dir():
         raise RunError(f"--workdir {workdir} exists and is not a directory")
     resuming = check_workdir(cfg, workdir) if workdir.exists() else False
-    # Data errors (missing path, vocab mismatch) must surface before anything is written.
-    train_iter, val_source, tokenizer = build_datasets(cfg, workdir)
+    # One process per host: process 0 writes the run's files; the others only train and save
+    # their shards of the checkpoints.
+    primary = jax.process_index() == 0
+    # Data errors (missing path, vocab mismatch) must surface before anything is written. With
+    # several processes, process 0 builds the tokenizer and token cache and the others read them.
+    if primary:
+        train_iter, val_source, tokenizer = build_datasets(cfg, workdir)
+    _barrier("data")
+    if not primary:
+        train_iter, val_source, tokenizer = build_datasets(cfg, workdir)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise RunError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}")
     run, state = make_run(cfg)
     mngr = checkpoint_manager(cfg, workdir)
     metrics_path = workdir / "metrics.jsonl"
     if resuming and mngr.latest_step() is not None:
-        abstract = jax.eval_shape(lambda: state)
-        state, meta = restore_checkpoint(mngr, abstract)
+        state, meta = restore_checkpoint(mngr, abstract_like(state))
         train_iter.set_state(meta["data"])
-        _truncate_metrics(metrics_path, int(state["step"]))
-    else:
-        _truncate_metrics(metrics_path, -1)
-    write_run_file(cfg, workdir)
+    start = int(to_host(state["step"]))
+    if primary:
+        _truncate_metrics(metrics_path, start if resuming else -1)
+        write_run_file(cfg, workdir)
 
     counts = count_params(cfg.model)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len, counts)["full"]
     peak = device_peak_flops(cfg.train.peak_flops)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    start = int(state["step"])
-    writer = _tb_writer(workdir)
-    bar = _progress(cfg, start)
+    writer = _tb_writer(workdir) if primary else _NullWriter()
+    bar = _progress(cfg, start, enabled=primary)
     last = {}
     t_last, steps_since = time.perf_counter(), 0
-    with open(metrics_path, "a") as log:
+    with open(metrics_path if primary else os.devnull, "a") as log:
         for step in range(start, cfg.steps):
-            batch = next(train_iter)
+            batch = run.put_batch(next(train_iter))
             state, m = run.train_step(state, batch)
+            m = {k: to_host(v) for k, v in m.items()}
             loss = float(m["loss"])
             if not math.isfinite(loss):
                 mngr.wait_until_finished()
@@ -347,6 +481,8 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
                 last = {"step": done, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                         "tokens_per_s": tps, "mfu": (tps * flops_tok / peak) if peak and tps else None,
                         "expert_imbalance": [round(float(x), 4) for x in m["expert_imbalance"]]}
+                if run.sharder is not None and cfg.model.moe.capacity_factor > 0:
+                    last["dropped_routes"] = float(m["dropped_routes"])
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
@@ -370,9 +506,27 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
     mngr.close()
     bar.close()
     writer.close()
-    if metrics_path.exists():
+    if primary and metrics_path.exists():
         plot_losses(metrics_path, workdir / "loss.png")
     return last
+
+
+def _barrier(name: str) -> None:
+    """All processes wait here (no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+class _NullWriter:
+    """TensorBoard writer stand-in for the processes that do not log."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
 
 
 def load_for_inference(workdir: str | os.PathLike):
@@ -384,7 +538,7 @@ def load_for_inference(workdir: str | os.PathLike):
     if not run_file.exists():
         raise RunError(f"{workdir} has no run.json: not a training workdir")
     try:
-        cfg = ml_collections.ConfigDict(json.loads(run_file.read_text())["config"])
+        cfg = ml_collections.ConfigDict(with_schema_defaults(json.loads(run_file.read_text())["config"]))
     except (json.JSONDecodeError, KeyError) as e:
         raise RunError(f"{run_file} is corrupt: {e}") from e
     validate(cfg)
@@ -393,7 +547,7 @@ def load_for_inference(workdir: str | os.PathLike):
         raise RunError(f"{workdir} has no complete checkpoint")
     _, val_source, tokenizer = build_datasets(cfg, workdir)
     run, state = make_run(cfg)
-    state, _ = restore_checkpoint(mngr, jax.eval_shape(lambda: state))
+    state, _ = restore_checkpoint(mngr, abstract_like(state))
     return cfg, run, state, tokenizer, val_source
 
 
@@ -403,8 +557,8 @@ def _tb_writer(workdir: Path):
     return SummaryWriter(str(workdir / "tb"))
 
 
-def _progress(cfg, start: int):
+def _progress(cfg, start: int, enabled: bool = True):
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=start, disable=not cfg.train.progress, unit="step",
+    return tqdm(total=cfg.steps, initial=start, disable=not (cfg.train.progress and enabled), unit="step",
                 dynamic_ncols=True)

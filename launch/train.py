@@ -2,6 +2,9 @@
 
     python -m launch.train --config=experiments/configs/k3_tiny.py --workdir=runs/k3_tiny \
         [--config.steps=600 --config.data.source=text_dir --config.data.path=/my/texts ...]
+
+On a mesh (``--config.mesh.fsdp=8 ...``) and across hosts (``--distributed``, see
+`launch.distributed`), every process runs this same command.
 """
 
 import sys
@@ -11,7 +14,7 @@ from ml_collections import config_flags
 
 from k3.config import ConfigError
 from k3.data import DataError
-from k3.train import RunError, train
+from launch import distributed
 
 config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "config file", lock_config=True)
 flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, tokenizer", required=True)
@@ -21,6 +24,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax reports every save step at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        distributed.setup()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    from k3.train import RunError, train  # after the backend is configured
+
     try:
         last = train(flags.FLAGS.config, flags.FLAGS.workdir)
     except (RunError, DataError, ConfigError) as e:

@@ -16,6 +16,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import pytest
+
+# Eight CPU devices for the mesh tests (data, fsdp, tensor, expert, context and mixed meshes).
+# Single-device tests run on device 0 as before.
+jax.config.update("jax_num_cpu_devices", 8)
 from flax import nnx
 
 from k3.config import default_config

@@ -1,0 +1,1010 @@
+"""Memory and communication planner: does a config fit a device mesh, and what will a step cost?
+
+    python -m k3.plan --config=experiments/configs/k3_full.py --mesh=fsdp:16,expert:64 --device=h200 \
+        [--batch=GLOBAL_SEQUENCES --seq=TOKENS --remat=full|none --mfu=0.4 --headroom=0.1] [--json]
+    python -m k3.plan --config=experiments/configs/k3_full.py --suggest --devices=1024 --device=h200
+
+Everything is derived from abstract shapes (``nnx.eval_shape`` of the model, ``jax.eval_shape`` of the
+optimizer's init), the sharding rules of `k3.sharding` resolved on a mesh that need not exist (a
+`PlanMesh` of axis sizes), and the model code's own layout (`k3.model.plan_layers`). Nothing is
+allocated, so 2.78T parameters on 1024 devices plan in about a second.
+
+Per-device bytes (1 GB = 1e9 bytes):
+  parameters   sum over parameters of  bytes(p) / S(p),  S(p) = product of the mesh axes that
+               `Sharder.spec` lets shard p (divisibility-aware); the dtype is the one the model
+               really creates (`k3.nn.param` makes float32 whatever ``model.param_dtype`` says).
+  optimizer    the leaves of ``jax.eval_shape(tx.init)`` for the real `k3.optim.build_optimizer`, each
+               sharded like the parameter it mirrors: Muon matrices 1 buffer (momentum), AdamW leaves 2
+               (mu, nu), in the parameter dtype; optax keeps no separate master copy.
+  gradients    bytes(params) (the train step differentiates w.r.t. the stored float32 parameters); with
+               optim.grad_accum = A > 1 the step stacks the A micro-batch gradients before averaging:
+               (A + 1) x bytes(params).
+  activations  an ESTIMATE of the peak, see `activation_estimate`.
+
+Collective bytes sent per device per step (ring algorithms: all-gather and reduce-scatter of an array
+of S bytes over n devices send S (n-1)/n, all-reduce 2 S (n-1)/n, all-to-all of an S-byte buffer
+S (n-1)/n), in the compute dtype (XLA reshards at the matmul operand, after the cast), per micro-batch
+and times grad_accum; see `collective_estimate`. Times use the device table's link bandwidths: a group
+of devices inside one node runs at the intra-node rate, a group spanning nodes at the inter-node rate
+(all-to-all: its cross-node share at the inter-node rate). Compute time = FLOPs / (peak * MFU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from k3 import optim as k3_optim
+from k3.attn_res import n_bank_slots
+from k3.config import layer_kinds, validate
+from k3.model import plan_layers
+from k3.params import abstract_model, count_params, flops_per_token
+from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator kind. Bandwidths are bytes/s sent per device in one direction."""
+
+    description: str
+    memory_bytes: float
+    bf16_flops: float  # dense bf16 peak, FLOP/s
+    intra_node_bw: float  # NVLink / ICI
+    inter_node_bw: float  # InfiniBand / DCN, per device
+    devices_per_node: int
+    note: str = ""
+
+
+# Nominal datasheet numbers. NVLink's quoted figure counts both directions; a collective's bytes sent
+# move at half of it. The H200 memory is the nominal 141e9 bytes: the lent H200 reports about
+# 139 GiB (1.49e11 bytes) usable, so this errs on the safe side by about 5%.
+DEVICES: dict[str, Device] = {
+    "h200": Device("NVIDIA H200 SXM", 141e9, 989e12, 450e9, 50e9, 8,
+                   "141e9 B HBM3e (nominal), NVLink4 900 GB/s bidirectional, 400 Gb/s IB per GPU"),
+    "h100": Device("NVIDIA H100 SXM 80GB", 80e9, 989e12, 450e9, 50e9, 8,
+                   "80e9 B HBM3 (nominal), NVLink4 900 GB/s bidirectional, 400 Gb/s IB per GPU"),
+    "a100-80g": Device("NVIDIA A100 SXM 80GB", 80e9, 312e12, 300e9, 25e9, 8,
+                       "80e9 B HBM2e, NVLink3 600 GB/s bidirectional, 200 Gb/s IB per GPU"),
+    "b200": Device("NVIDIA B200 (HGX)", 180e9, 2250e12, 900e9, 50e9, 8,
+                   "180e9 B HBM3e, NVLink5 1.8 TB/s bidirectional, 400 Gb/s IB per GPU"),
+    "tpu-v5p": Device("Google TPU v5p", 95e9, 459e12, 90e9, 6.25e9, 8960,
+                      "95e9 B HBM2e; a whole pod is one ICI torus (approximate per-axis ring rate); "
+                      "DCN across pods ~200 Gb/s per 4-chip host"),
+}
+
+GB = 1e9
+ROUTED = ("w_gate", "w_up", "w_down")
+
+
+class PlanError(ValueError):
+    """A bad mesh, device, batch or sequence request; the message names the problem."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh without devices
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanMesh:
+    """Axis sizes only: all that `Sharder.spec` reads from a mesh (``.shape``). Hashable."""
+
+    sizes: tuple[tuple[str, int], ...]
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(s for _, s in self.sizes)
+
+
+def plan_sharder(sizes: Mapping[str, int], rules=DEFAULT_RULES) -> Sharder:
+    """A `Sharder` over a device-less mesh of ``sizes`` (axis -> size, all of `MESH_AXES`)."""
+    return Sharder(PlanMesh(tuple((a, int(sizes.get(a, 1))) for a in MESH_AXES)), tuple(rules))
+
+
+def parse_mesh(text: str, devices: int | None = None) -> dict[str, int]:
+    """'data:1,fsdp:64,expert:64' -> sizes of all five mesh axes (missing = 1; one may be -1).
+
+    ``devices`` (optional) is the device count the sizes must multiply to; a -1 needs it.
+    Raises PlanError naming the unknown axis, the malformed entry or the size mismatch.
+    """
+    sizes = {a: 1 for a in MESH_AXES}
+    seen = set()
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if ":" not in item:
+            raise PlanError(f"--mesh entry {item!r} is not 'axis:size'")
+        axis, size = (s.strip() for s in item.split(":", 1))
+        if axis not in MESH_AXES:
+            raise PlanError(f"--mesh: unknown mesh axis {axis!r}; mesh axes are {', '.join(MESH_AXES)}")
+        if axis in seen:
+            raise PlanError(f"--mesh: axis {axis!r} given twice")
+        seen.add(axis)
+        try:
+            sizes[axis] = int(size)
+        except ValueError:
+            raise PlanError(f"--mesh: size of {axis!r} must be an integer, got {size!r}") from None
+    if -1 in sizes.values() and not devices:
+        raise PlanError("--mesh has a -1 axis: pass --devices=N to fill it")
+    n = devices or math.prod(s for s in sizes.values() if s > 0)
+    try:
+        return mesh_shape(sizes, n)
+    except ValueError as e:
+        raise PlanError(f"--mesh: {e}") from None
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _shards(sharder: Sharder, axes) -> int:
+    return math.prod(sharder.size(a) for a in axes)
+
+
+def _group_link(sizes: Mapping[str, int], axes, device: Device) -> tuple[int, int]:
+    """(group size n, members inside the first member's node q) for a collective over ``axes``.
+
+    Devices are laid out row-major in `MESH_AXES` order (tensor innermost), as `k3.sharding.make_mesh`
+    does, and nodes are runs of ``devices_per_node`` consecutive devices.
+    """
+    strides, s = {}, 1
+    for a in reversed(MESH_AXES):
+        strides[a] = s
+        s *= sizes[a]
+    offsets = np.zeros(1, np.int64)
+    for a in axes:
+        offsets = (offsets[:, None] + strides[a] * np.arange(sizes[a])[None, :]).reshape(-1)
+    return int(offsets.size), int(np.sum(offsets // device.devices_per_node == 0))
+
+
+def collective_seconds(nbytes: float, sizes, axes, device: Device, kind: str) -> float:
+    """Seconds to send ``nbytes`` per device in a collective over mesh ``axes``.
+
+    kind 'ring' (all-gather, reduce-scatter, all-reduce): intra-node rate when the group fits in a
+    node, else the inter-node rate. kind 'a2a': the cross-node share at the inter-node rate and the
+    rest at the intra-node rate, concurrently.
+    """
+    if nbytes <= 0:
+        return 0.0
+    n, q = _group_link(sizes, axes, device)
+    if kind == "a2a" and n > 1:
+        remote = (n - q) / (n - 1)
+        return max(nbytes * remote / device.inter_node_bw, nbytes * (1 - remote) / device.intra_node_bw)
+    return nbytes / (device.intra_node_bw if q == n else device.inter_node_bw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters and optimizer state
+
+
+@dataclasses.dataclass
+class ParamInfo:
+    """One parameter: path, shape, bytes, logical axes, Muon or AdamW, routed expert or not, and where
+    it lives in the layer layout (``region``: 'top', 'head', 'body', 'tail'; ``layer``: the unrolled
+    layer's index in its list, None for the body and top level)."""
+
+    path: tuple
+    shape: tuple[int, ...]
+    itemsize: int
+    axes: tuple
+    muon: bool
+    routed: bool
+    region: str
+    layer: int | None
+
+    @property
+    def elems(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.elems * self.itemsize
+
+    @property
+    def name(self) -> str:
+        return "/".join(str(p) for p in self.path)
+
+
+def param_infos(params_state, per_head: bool = False) -> list[ParamInfo]:
+    """`ParamInfo` of every parameter of an (abstract) ``nnx.State`` of ``nnx.Param``."""
+    out = []
+    for path, var in nnx.to_flat_state(params_state):
+        axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))
+        name = str(path[-1])
+        region = {"head_layers": "head", "body": "body", "tail_layers": "tail"}.get(str(path[0]), "top")
+        layer = int(path[1]) if region in ("head", "tail") else None
+        out.append(ParamInfo(
+            path=tuple(path), shape=tuple(var.shape), itemsize=np.dtype(var.dtype).itemsize, axes=axes,
+            muon=k3_optim.param_dimension_numbers(name, axes, per_head) is not None,
+            routed=name in ROUTED and "experts" in axes and "expert_embed" in axes,
+            region=region, layer=layer))
+    return out
+
+
+def param_shard_axes(info: ParamInfo, sharder: Sharder) -> list[tuple[str, ...]]:
+    """Per dimension, the mesh axes that shard it (the rules resolved with divisibility)."""
+    spec = sharder.spec(info.axes, info.shape)
+    return [_spec_axes(e) for e in spec]
+
+
+def param_bytes(infos: list[ParamInfo], sharder: Sharder) -> dict:
+    """Per-device parameter bytes: total, per parameter (name -> bytes), and the replicated ones.
+
+    Returns {'total', 'global', 'per_param': {name: bytes}, 'replicated': [(bytes, name)] largest
+    first (parameters with no sharded dimension on a multi-device mesh)}.
+    """
+    per, replicated = {}, []
+    for p in infos:
+        axes = [a for dim in param_shard_axes(p, sharder) for a in dim]
+        per[p.name] = p.nbytes / _shards(sharder, axes)
+        if not axes and sharder.mesh.size > 1:
+            replicated.append((p.nbytes, p.name))
+    replicated.sort(reverse=True)
+    return {"total": sum(per.values()), "global": sum(p.nbytes for p in infos), "per_param": per,
+            "replicated": replicated}
+
+
+def _key_str(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def optimizer_leaves(cfg, params_state, infos: list[ParamInfo]) -> list[tuple[int | None, int, str]]:
+    """The optimizer state's leaves as (index of the mirrored parameter or None, bytes, kind).
+
+    From ``jax.eval_shape`` of the real optimizer's init. A leaf mirrors a parameter when its key path
+    ends with the parameter's path and it has its shape (as `k3.sharding.tree_shardings_like` decides);
+    kind is 'muon' or 'adam' (from the optax partition it sits under) or 'other' (counts, coefficients).
+    """
+    tx, _ = k3_optim.build_optimizer(cfg, params_state)
+    state = jax.eval_shape(tx.init, params_state)
+    by_path = {tuple(str(x) for x in p.path): (i, p.shape) for i, p in enumerate(infos)}
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        names = tuple(_key_str(k) for k in path)
+        shape = tuple(np.shape(leaf))
+        nbytes = math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        hit = None
+        for start in range(len(names)):
+            cand = by_path.get(names[start:])
+            if cand is not None and cand[1] == shape:
+                hit = cand[0]
+                break
+        kind = "other"
+        if hit is not None:
+            kind = "muon" if "muon" in names else "adam"
+        out.append((hit, nbytes, kind))
+    return out
+
+
+def optimizer_bytes(leaves, infos: list[ParamInfo], sharder: Sharder) -> dict:
+    """Per-device optimizer-state bytes, each leaf sharded like its parameter: {'total', 'muon',
+    'adam', 'other'} (Muon momentum, AdamW moments, replicated scalars)."""
+    shards = [_shards(sharder, [a for d in param_shard_axes(p, sharder) for a in d]) for p in infos]
+    out = {"muon": 0.0, "adam": 0.0, "other": 0.0}
+    for idx, nbytes, kind in leaves:
+        out[kind] += nbytes / (shards[idx] if idx is not None else 1)
+    out["total"] = sum(out.values())
+    return out
+
+
+def optimizer_bytes_by_rule(infos: list[ParamInfo], optim_name: str, sharder: Sharder | None = None) -> float:
+    """What the Muon/AdamW split of `k3.optim` implies: 1 buffer per Muon matrix, 2 per AdamW
+    parameter ('adamw': 2 per parameter), in the parameter dtype; per device with ``sharder``."""
+    total = 0.0
+    for p in infos:
+        n = 1 if (optim_name == "muon" and p.muon) else 2
+        shards = 1 if sharder is None else _shards(sharder, [a for d in param_shard_axes(p, sharder) for a in d])
+        total += n * p.nbytes / shards
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout of the run on the mesh
+
+
+@dataclasses.dataclass
+class Layout:
+    """Batch and sequence on the mesh, and the divisors of the activations' sharded widths.
+
+    ``batch_axes``/``context_axes``: mesh axes that split B / T (size > 1); ``token_axes`` both.
+    ``micro``: sequences per device per micro-batch; ``t``: local tokens per sequence; ``tokens``:
+    local tokens per micro-batch (micro * t); divisors ``*_div`` of heads, FFN widths and vocabulary.
+    ``expert_axes``/``P``: the expert-parallel group and its size; ``C``: all-to-all rows per
+    destination device (0 without expert parallelism).
+    """
+
+    batch_axes: tuple[str, ...]
+    context_axes: tuple[str, ...]
+    micro: int
+    accum: int
+    t: int
+    seq: int
+    kda_heads_div: int
+    mla_heads_div: int
+    mlp_div: int
+    shared_div: int
+    expert_mlp_div: int
+    vocab_div: int
+    expert_axes: tuple[str, ...]
+    P: int
+    C: int
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return self.batch_axes + self.context_axes
+
+    @property
+    def tokens(self) -> int:
+        return self.micro * self.t
+
+    @property
+    def cp(self) -> int:
+        return self.seq // self.t
+
+
+def _axes_shards(sharder, names, shape, dim) -> tuple[tuple[str, ...], int]:
+    axes = _spec_axes(sharder.spec(names, shape)[dim])
+    return axes, _shards(sharder, axes)
+
+
+def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: float | None = None) -> Layout:
+    """Resolves batch/sequence/width sharding as the model code does; raises PlanError when the
+    batch or sequence does not divide (the checks of `k3.train.make_sharder`)."""
+    m = cfg.model
+    accum = cfg.optim.grad_accum
+    if batch <= 0 or seq <= 0:
+        raise PlanError(f"batch and seq must be positive, got batch={batch} seq={seq}")
+    if batch % accum:
+        raise PlanError(f"--batch={batch} is not a multiple of optim.grad_accum={accum}")
+    micro_global = batch // accum
+    batch_devices = _shards(sharder, sharder.axes_for("batch"))
+    if micro_global % batch_devices:
+        raise PlanError(f"the micro-batch of {micro_global} sequences (batch / grad_accum) is not a multiple "
+                        f"of the {batch_devices} devices that split the batch "
+                        f"({'*'.join(sharder.axes_for('batch'))}); pass --batch={batch_devices * accum} or a multiple")
+    if seq % sharder.size("context"):
+        raise PlanError(f"--seq={seq} is not a multiple of context={sharder.size('context')}")
+    spec = sharder.spec(("batch", "seq"), (micro_global, seq))
+    b_axes, c_axes = _spec_axes(spec[0]), _spec_axes(spec[1])
+    E = m.moe.n_experts
+    expert_axes, P = _axes_shards(sharder, ("experts",), (E,), 0)
+    f_axes = tuple(a for a in _spec_axes(sharder.spec(("experts", "expert_mlp"), (E, m.moe.expert_dim))[1])
+                   if a not in b_axes + c_axes)
+    t = seq // _shards(sharder, c_axes)
+    micro = micro_global // _shards(sharder, b_axes)
+    cf = m.moe.capacity_factor if capacity_factor is None else capacity_factor
+    R = micro * t * m.moe.top_k
+    C = 0 if P == 1 else (R if cf <= 0 else max(1, math.ceil(cf * R / P)))
+    return Layout(
+        batch_axes=b_axes, context_axes=c_axes, micro=micro, accum=accum, t=t, seq=seq,
+        kda_heads_div=_axes_shards(sharder, ("act_heads",), (m.kda.n_heads,), 0)[1],
+        mla_heads_div=_axes_shards(sharder, ("act_heads",), (m.mla.n_heads,), 0)[1],
+        mlp_div=_axes_shards(sharder, ("mlp",), (m.dense_ffn_dim,), 0)[1],
+        shared_div=_axes_shards(sharder, ("mlp",), (max(m.moe.shared_dim, 1),), 0)[1],
+        expert_mlp_div=_shards(sharder, f_axes),
+        vocab_div=_axes_shards(sharder, ("act_vocab",), (m.vocab_size,), 0)[1],
+        expert_axes=expert_axes, P=P, C=C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: bool) -> dict:
+    """Estimated bytes one layer keeps for its backward pass, per device, and its largest transient.
+
+    N = local tokens per micro-batch, D = d_model, a = compute-dtype bytes, f = 4 (fp32), widths
+    divided by their tensor-parallel shards (heads H, FFN widths); M = AttnRes candidates.
+      stream   4 N D a                 pre-norm inputs and outputs of both sublayers
+      attn_res 2 M N D f               (Block AttnRes) each of the 2 depth mixes saves its fp32
+                                       candidates [M, N, D], M = bank slots + the partial sum
+      kda      X (15 f + 4 a) + X (V/C) f + 3 N H C f + N K a,   X = N H K:
+               fp32 conv inputs/outputs of q, k, v (6 f), SiLU outputs for the L2 norm (2 f),
+               q, k, v to the core (3 a), gate pre-activation and log decay (2 f), WY-form core
+               terms (2 f), output norm input, norm output and output gate (3 f), gated output (a);
+               chunk states [N/C, H, K, V] fp32; intra-chunk [C, C] matrices (3 per chunk); the
+               low-rank decay projection
+      mla      N (2 r_q + 2 r_kv + d_r) a            latent projections and their norms
+               + N H (5 d_qk + d_n + d_v) a           q, kv up-projection, concatenated q and k, v
+                                                      zero-padded to d_qk, padded attention output
+               + N H f + N H d_v (2 a + f)            flash softmax statistics; output gate
+               + b t T (1 + a)                        [B, 1, T, T] document mask and its bias
+               context > 1 (gather path, not flash): + b t T H (f + a) saved probabilities and the
+               gathered k, v b T H (d_qk + d_v) a;
+               transient: QK-Clip's fp32 logits b H t T f (a second QK^T pass, only with qk_clip)
+      dense    3 N F a + N D a
+      moe      router 2 N E f; latent N W a; expert side R (W + 3 F_e) a with R = P C received rows
+               (P = expert shards, C = N k dropless or ceil(c N k / P); R = N k without expert
+               parallelism); routed outputs back home N k W (a + f); combine and latent norm
+               N W (f + 2 a); shared expert 3 N F_s a; output N D a.
+               transient: a send and a receive buffer of the all-to-all, 2 R W a.
+    Returns {'total': bytes, 'transient': bytes, term: bytes ...}.
+    """
+    f = 4
+    N, D = lay.tokens, m.d_model
+    out = {"stream": 4 * N * D * a}
+    if m.residual == "attn_res":
+        M = n_bank_slots(m.n_layers, m.attn_res_block_size) + 1
+        out["attn_res"] = 2 * M * N * D * f
+    transient = 0.0
+    if mixer == "kda":
+        k = m.kda
+        H = k.n_heads // lay.kda_heads_div
+        K = V = k.head_dim
+        X = N * H * K
+        kda = X * (15 * f + 4 * a) + X * V / k.chunk_size * f + 3 * N * H * k.chunk_size * f + N * K * a
+        if lay.cp > 1:
+            kda += lay.cp * lay.micro * H * K * (K + V) * f  # the gathered state pairs
+        out["kda"] = kda
+    else:
+        q = m.mla
+        H = q.n_heads // lay.mla_heads_div
+        dqk = q.qk_nope_dim + q.qk_rope_dim
+        mla = N * (2 * q.q_lora_rank + 2 * q.kv_lora_rank + q.qk_rope_dim) * a
+        mla += N * H * (5 * dqk + q.qk_nope_dim + q.v_head_dim) * a
+        mla += N * H * f + N * H * q.v_head_dim * (2 * a + f) + lay.micro * lay.t * lay.seq * (1 + a)
+        if lay.cp > 1:
+            mla += lay.micro * lay.t * lay.seq * H * (f + a) + lay.micro * lay.seq * H * (dqk + q.v_head_dim) * a
+            transient = max(transient, lay.micro * H * lay.t * lay.seq * f)
+        if qk_clip:
+            transient = max(transient, lay.micro * H * lay.t * lay.seq * f)
+        out["mla"] = mla
+    if ffn == "dense":
+        out["ffn"] = 3 * N * (m.dense_ffn_dim // lay.mlp_div) * a + N * D * a
+    else:
+        e = m.moe
+        W = e.latent_dim if e.latent_dim > 0 else D
+        Fe = e.expert_dim // lay.expert_mlp_div
+        R = lay.P * lay.C if lay.P > 1 else N * e.top_k
+        moe = 2 * N * e.n_experts * f + R * (W + 3 * Fe) * a + N * e.top_k * W * (a + f)
+        moe += N * W * (f + 2 * a) + N * D * a
+        if e.latent_dim > 0:
+            moe += N * W * a
+        if e.shared_dim > 0:
+            moe += 3 * N * (e.shared_dim // lay.shared_div) * a
+        out["moe"] = moe
+        if lay.P > 1:
+            transient = max(transient, 2 * R * W * a)
+    out["total"] = sum(v for k, v in out.items())
+    out["transient"] = transient
+    return out
+
+
+def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> dict:
+    """Estimated peak activation bytes per device (an estimate: XLA's schedule decides the truth).
+
+    Layer layout from `k3.model.plan_layers`: unrolled head layers, a scanned body of R repeats of a
+    G-layer group (rematerialised as one unit when ``remat``), unrolled tail layers.
+      carries      remat: R x the scan carry, saved per iteration: the stream [N, D] (plain) or the
+                   AttnRes bank plus partial sum [(slots + 1), N, D], compute dtype
+      kept layers  residuals (`layer_residual_bytes`) of every layer that is not rematerialised: the
+                   head and tail layers always, the body too without remat; without remat the
+                   gathered (compute-dtype) weights of those layers are residuals as well
+      working set  remat: the residuals of one body group during its backward (recomputed), plus the
+                   stream cotangents (2 carries) and one group's gathered weights and their
+                   unreduced gradients (FSDP gather buffers)
+      transient    the largest single transient of any layer (all-to-all buffers, QK-Clip logits)
+      LM head      N V_l (a + 2 f): logits, fp32 log-softmax and its gradient, plus the gathered LM
+                   head weight and its unreduced gradient
+    peak = carries + kept layers + max(working set + transient, LM head).
+    """
+    m = cfg.model
+    a = np.dtype(m.dtype).itemsize
+    N, D = lay.tokens, m.d_model
+    kinds = layer_kinds(m)
+    head, (start, period, repeats), tail = plan_layers(m)
+    qk_clip = bool(cfg.optim.qk_clip)
+    res = [layer_residual_bytes(m, mk, fk, lay, a, qk_clip) for mk, fk in kinds]
+    body_idx = list(range(start, start + period * repeats))
+    unrolled = list(head) + list(tail)
+    remat = remat and repeats > 0
+    if m.residual == "attn_res":
+        carry = (n_bank_slots(m.n_layers, m.attn_res_block_size) + 1) * N * D * a
+    else:
+        carry = N * D * a
+    out = {}
+    if remat:
+        out["carries"] = repeats * carry
+        kept = unrolled
+        group = body_idx[:period]
+        out["working_set"] = (sum(res[i]["total"] for i in group) + 2 * carry
+                              + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"]))
+        out["kept_weights"] = sum(gather_bytes["unrolled"])
+    else:
+        out["carries"] = 0.0
+        kept = unrolled + body_idx
+        out["working_set"] = 2 * carry + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"])
+        out["kept_weights"] = sum(gather_bytes["unrolled"]) + repeats * gather_bytes["body_group"]
+    out["kept_layers"] = sum(res[i]["total"] for i in kept)
+    out["transient"] = max(r["transient"] for r in res)
+    V_l = m.vocab_size // lay.vocab_div
+    out["lm_head"] = N * V_l * (a + 8) + 2 * gather_bytes["lm_head"] + 2 * N * D * a
+    out["peak"] = (out["carries"] + out["kept_layers"] + out["kept_weights"]
+                   + max(out["working_set"] + out["transient"], out["lm_head"]))
+    out["remat_effective"] = remat
+    out["per_layer"] = res
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+
+
+def _param_comm(p: ParamInfo, sharder: Sharder, lay: Layout):
+    """(gather axes, kept shard count, all-reduce axes) of one parameter's FSDP-style traffic."""
+    dims = param_shard_axes(p, sharder)
+    all_axes = [a for d in dims for a in d]
+    ep = set()
+    if p.routed:
+        ep = set(dims[p.axes.index("experts")])  # reached by the all-to-all, never gathered
+    gather = tuple(a for a in all_axes if a in lay.token_axes and a not in ep)
+    keep = _shards(sharder, [a for a in all_axes if a not in gather])
+    reduce = tuple(a for a in lay.token_axes if a not in all_axes)
+    return gather, keep, reduce
+
+
+def gather_buffer_bytes(infos: list[ParamInfo], sharder: Sharder, lay: Layout, a: int, repeats: int) -> dict:
+    """Compute-dtype bytes of gathered weights: one body group ('body_group'), each unrolled layer
+    ('unrolled', a list) and the LM head ('lm_head'); a weight is gathered over its token axes only."""
+    body, unrolled, lm = 0.0, {}, 0.0
+    for p in infos:
+        _, keep, _ = _param_comm(p, sharder, lay)
+        nbytes = p.elems / keep * a
+        if p.region == "body":
+            body += nbytes / max(repeats, 1)
+        elif p.region in ("head", "tail"):
+            unrolled[(p.region, p.layer)] = unrolled.get((p.region, p.layer), 0.0) + nbytes
+        elif p.path == ("lm_head",):
+            lm += nbytes
+    return {"body_group": body, "unrolled": list(unrolled.values()), "lm_head": lm}
+
+
+def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layout, remat: bool,
+                        device: Device) -> list[dict]:
+    """Bytes sent per device per optimizer step by each kind of collective, and their time.
+
+    Per micro-batch (then x grad_accum), in the compute dtype (a bytes):
+      fsdp_gather    each parameter sharded over token axes G (data/fsdp/expert/context; not the
+                     expert axis of routed experts, which the all-to-all serves) is all-gathered:
+                     S = elems / (other shards) * a, sent S (g-1)/g; again in the backward for the
+                     rematerialised body (the embedding table's row lookup is counted the same way)
+      grad_rs        its gradient reduce-scatter over G: S (g-1)/g
+      grad_ar        all-reduce over the token axes the parameter is replicated on (e.g. data):
+                     2 S_shard (r-1)/r
+      expert_a2a     per MoE layer a [P C, W] buffer each way: dispatch + return forward, their two
+                     transposes backward, and the forward again under remat: 4 or 6 x P C W a (P-1)/P
+                     (plus the int32 expert ids of each dispatch)
+      tensor         per layer (tensor > 1): all-reduce of the mixer output, of the FFN output (dense;
+                     MoE: shared expert and latent up-projection) N D a each, the routed experts'
+                     partial sums N k W a when their hidden width is split, the all-gather of the latent
+                     input N W a; the same again backward and under remat; LM head and embedding
+                     one all-reduce of N D a each way
+      context        per KDA layer the all-gather of the state pairs b H K (K+V) fp32: (cp-1) x sent;
+                     per MLA layer of k and v b t H (d_qk + d_v) a; backward reduce-scatters the same;
+                     again under remat
+    Returns a list of {'what', 'bytes', 'seconds', 'axes'}.
+    """
+    m = cfg.model
+    a = np.dtype(m.dtype).itemsize
+    head, (start, period, repeats), tail = plan_layers(m)
+    remat = remat and repeats > 0
+    sizes = sharder.mesh.shape
+    rows: dict[tuple[str, tuple], float] = {}
+    kinds: dict[str, str] = {}
+
+    def add(what, axes, nbytes, kind="ring"):
+        axes = tuple(x for x in MESH_AXES if x in axes)
+        rows[(what, axes)] = rows.get((what, axes), 0.0) + nbytes
+        kinds[what] = kind
+
+    acc = lay.accum
+    for p in infos:
+        gather, keep, reduce = _param_comm(p, sharder, lay)
+        g, r = _shards(sharder, gather), _shards(sharder, reduce)
+        full = p.elems / keep * a
+        if g > 1:
+            times = 2 if (remat and p.region == "body") else 1
+            add("FSDP all-gather of parameters", gather, acc * times * full * (g - 1) / g)
+            add("gradient reduce-scatter", gather, acc * full * (g - 1) / g)
+        if r > 1:
+            shard = p.elems / (keep * g) * a
+            add("gradient all-reduce (replicated axes)", reduce, acc * 2 * shard * (r - 1) / r)
+    kinds_l = layer_kinds(m)
+    in_body = set(range(start, start + period * repeats))
+    N, D = lay.tokens, m.d_model
+    e = m.moe
+    W = e.latent_dim if e.latent_dim > 0 else D
+    tp = sharder.size("tensor")
+    for i, (mixer, ffn) in enumerate(kinds_l):
+        passes = 3 if (remat and i in in_body) else 2  # forward, backward (+ recomputed forward)
+        if ffn == "moe" and lay.P > 1:
+            buf = lay.P * lay.C * W * a
+            ids = lay.P * lay.C * 4
+            sent = (2 * passes * buf + (passes - 1) * ids) * (lay.P - 1) / lay.P
+            add("expert all-to-all (dispatch + return)", lay.expert_axes, acc * sent, "a2a")
+        if tp > 1:
+            ar = 2 * (tp - 1) / tp
+            vol = N * D * a * ar  # the mixer output
+            if ffn == "dense":
+                vol += N * D * a * ar
+            else:
+                if e.shared_dim > 0:
+                    vol += N * D * a * ar
+                if e.latent_dim > 0:
+                    vol += N * D * a * ar + N * W * a * (tp - 1) / tp
+                if lay.expert_mlp_div > 1:
+                    vol += N * e.top_k * W * a * ar
+            add("tensor-parallel activations", ("tensor",), acc * passes * vol)
+        if lay.cp > 1:
+            cp = lay.cp
+            if mixer == "kda":
+                H = m.kda.n_heads // lay.kda_heads_div
+                K = m.kda.head_dim
+                local = lay.micro * H * K * 2 * K * 4
+            else:
+                H = m.mla.n_heads // lay.mla_heads_div
+                local = N * H * (m.mla.qk_nope_dim + m.mla.qk_rope_dim + m.mla.v_head_dim) * a
+            add("context-parallel gathers", lay.context_axes, acc * passes * local * (cp - 1))
+    if tp > 1:
+        add("tensor-parallel activations", ("tensor",), acc * 2 * 2 * N * D * a * 2 * (tp - 1) / tp)
+    out = []
+    for (what, axes), nbytes in rows.items():
+        out.append({"what": what, "axes": list(axes), "bytes": nbytes,
+                    "seconds": collective_seconds(nbytes, sizes, axes, device, kinds[what])})
+    order = ["FSDP", "gradient r", "gradient a", "expert", "tensor", "context"]
+    out.sort(key=lambda r: next(i for i, o in enumerate(order) if r["what"].startswith(o)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclasses.dataclass
+class PlanInputs:
+    """What a plan needs from a config once, independent of the mesh (abstract shapes, counts)."""
+
+    cfg: object
+    infos: list
+    opt_leaves: list
+    counts: dict
+
+
+def load_model(cfg) -> PlanInputs:
+    """Abstract model and optimizer state of ``cfg`` (validated); nothing is allocated."""
+    validate(cfg)
+    model = abstract_model(cfg.model)
+    params = nnx.state(model, nnx.Param)
+    infos = param_infos(params, cfg.optim.per_head_muon)
+    return PlanInputs(cfg, infos, optimizer_leaves(cfg, params, infos), count_params(cfg.model))
+
+
+def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, batch: int | None = None,
+         seq: int | None = None, remat: bool | None = None, mfu: float = 0.4, headroom: float = 0.10,
+         capacity_factor: float | None = None) -> dict:
+    """The full per-device plan of ``mdl`` on a mesh of ``sizes``: memory, collectives, time, verdict.
+
+    ``batch`` global sequences per step (default: the config's, or one sequence per batch shard and
+    micro-batch when the config's does not divide over the mesh), ``seq`` tokens per sequence (default
+    data.seq_len), ``remat`` (default model.remat), ``mfu`` model-FLOP utilisation assumed for the
+    compute time, ``headroom`` the fraction of device memory kept free for XLA's buffers and
+    fragmentation, ``capacity_factor`` overrides model.moe.capacity_factor. All bytes are per device.
+    """
+    cfg = mdl.cfg
+    m = cfg.model
+    dev = DEVICES[device] if isinstance(device, str) else device
+    rules = parse_rules(cfg.mesh.rule_overrides)
+    sh = plan_sharder(sizes, rules)
+    n_dev = sh.mesh.size
+    notes = []
+    seq = int(seq or cfg.data.seq_len)
+    accum = cfg.optim.grad_accum
+    batch_devices = _shards(sh, sh.axes_for("batch"))
+    if batch is None:
+        batch = cfg.data.batch_size
+        if (batch // accum) % batch_devices or batch % accum:
+            batch = batch_devices * accum
+            notes.append(f"data.batch_size={cfg.data.batch_size} does not split over the {batch_devices} batch "
+                         f"shards: planned with --batch={batch} (one sequence per device per micro-batch)")
+    lay = make_layout(cfg, sh, int(batch), seq, capacity_factor)
+    remat = bool(m.remat) if remat is None else bool(remat)
+    a = np.dtype(m.dtype).itemsize
+    _, (_, _, repeats), _ = plan_layers(m)
+    if remat and repeats == 0:
+        notes.append("remat has no effect: the model has no scanned layer body (model.scan_layers)")
+
+    pb = param_bytes(mdl.infos, sh)
+    ob = optimizer_bytes(mdl.opt_leaves, mdl.infos, sh)
+    grads = pb["total"] * (1 if accum == 1 else accum + 1)
+    gbuf = gather_buffer_bytes(mdl.infos, sh, lay, a, repeats)
+    act = activation_estimate(cfg, lay, remat, gbuf)
+    rest = m.moe.n_experts * 4 * sum(1 for _, f in layer_kinds(m) if f == "moe")  # router biases
+    total = pb["total"] + ob["total"] + grads + act["peak"] + rest
+    usable = dev.memory_bytes * (1 - headroom)
+
+    comm = collective_estimate(cfg, mdl.infos, sh, lay, remat, dev)
+    fpt = flops_per_token(m, seq, mdl.counts)
+    step_tokens = batch * seq
+    device_tokens = lay.micro * accum * lay.t
+    tp = sh.size("tensor")
+    hw_factor = 4 / 3 if act["remat_effective"] else 1.0
+    model_flops = fpt["full"] * device_tokens / tp
+    compute_s = model_flops * hw_factor / (dev.bf16_flops * mfu)
+    comm_s = sum(r["seconds"] for r in comm)
+    step_overlap, step_serial = max(compute_s, comm_s), compute_s + comm_s
+
+    if m.param_dtype != "float32" and all(p.itemsize == 4 for p in mdl.infos):
+        notes.append(f"model.param_dtype={m.param_dtype} is not applied: k3.nn.param creates float32 "
+                     "parameters, and optimizer state and gradients follow them")
+    if lay.P > 1 and (m.moe.capacity_factor if capacity_factor is None else capacity_factor) <= 0:
+        notes.append(f"dropless expert parallelism pads every all-to-all to C = N k = {lay.C:,} rows per "
+                     f"destination (x {lay.P} destinations); a capacity factor (model.moe.capacity_factor) "
+                     "shrinks the buffers by about P / c")
+    big_rep = [(b, n) for b, n in pb["replicated"] if b >= 2**20]
+    return {
+        "name": cfg.name, "device": dev.description, "device_key": device if isinstance(device, str) else "",
+        "mesh": dict(sh.mesh.shape), "devices": n_dev,
+        "nodes": math.ceil(n_dev / dev.devices_per_node),
+        "batch": batch, "seq": seq, "micro_batch": lay.micro, "grad_accum": accum, "local_seq": lay.t,
+        "tokens_per_step": step_tokens, "tokens_per_device_step": device_tokens,
+        "param_dtype": str(np.dtype({4: "float32", 2: "bfloat16"}.get(mdl.infos[0].itemsize, "float32"))),
+        "compute_dtype": m.dtype, "remat": act["remat_effective"], "optimizer": cfg.optim.name,
+        "capacity_factor": m.moe.capacity_factor if capacity_factor is None else capacity_factor,
+        "expert_shards": lay.P, "a2a_rows_per_destination": lay.C,
+        "total_params": mdl.counts["total_params"], "active_params": mdl.counts["active_params"],
+        "memory": {
+            "params": pb["total"], "optimizer": ob["total"], "optimizer_muon": ob["muon"],
+            "optimizer_adam": ob["adam"], "optimizer_other": ob["other"], "gradients": grads,
+            "activations": act["peak"], "router_biases": rest, "total": total,
+            "device": dev.memory_bytes, "headroom": headroom, "usable": usable,
+            "activation_terms": {k: act[k] for k in ("carries", "kept_layers", "kept_weights", "working_set",
+                                                     "transient", "lm_head")},
+        },
+        "fits": bool(total <= usable),
+        "largest_replicated": [{"param": n, "bytes": b} for b, n in big_rep[:5]],
+        "replicated_bytes": sum(b for b, _ in pb["replicated"]),
+        "collectives": comm,
+        "time": {"flops_per_token": fpt["full"], "model_flops_per_device": model_flops, "mfu": mfu,
+                 "remat_recompute_factor": hw_factor, "compute_s": compute_s, "comm_s": comm_s,
+                 "step_s_overlapped": step_overlap, "step_s_serial": step_serial,
+                 "tokens_per_s": step_tokens / step_serial if step_serial else 0.0},
+        "notes": notes,
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:9.2f}"
+
+
+def format_plan(p: dict) -> str:
+    """The plan as a readable table (GB = 1e9 bytes)."""
+    mem, t = p["memory"], p["time"]
+    mesh = " ".join(f"{a}={s}" for a, s in p["mesh"].items())
+    lines = [
+        f"k3.plan: {p['name']} on {p['devices']} x {p['device']} ({p['nodes']} node(s)); all numbers are "
+        f"per device and ESTIMATES",
+        f"  mesh        {mesh}",
+        f"  batch       {p['batch']} sequences x {p['seq']} tokens = {p['tokens_per_step'] / 1e6:.2f}M tokens/step; "
+        f"per device {p['micro_batch']} x {p['local_seq']} tokens per micro-batch, grad_accum {p['grad_accum']}",
+        f"  model       {p['total_params'] / 1e9:,.1f}B parameters ({p['active_params'] / 1e9:.1f}B active), "
+        f"stored {p['param_dtype']}, compute {p['compute_dtype']}, remat={'full' if p['remat'] else 'none'}, "
+        f"optimizer {p['optimizer']}",
+    ]
+    if p["expert_shards"] > 1:
+        cf = p["capacity_factor"]
+        lines.append(f"  experts     {p['expert_shards']} expert shards, all-to-all rows per destination "
+                     f"C = {p['a2a_rows_per_destination']:,} ({'dropless' if cf <= 0 else f'capacity factor {cf}'})")
+    at = mem["activation_terms"]
+    lines += [
+        "",
+        "  memory per device                                   GB",
+        f"    parameters ({p['param_dtype']}, sharded)           {_gb(mem['params'])}",
+        f"    optimizer state                                {_gb(mem['optimizer'])}"
+        f"   (Muon momentum {mem['optimizer_muon'] / GB:.2f}, AdamW moments {mem['optimizer_adam'] / GB:.2f})",
+        f"    gradients                                      {_gb(mem['gradients'])}",
+        f"    activations (estimate)                         {_gb(mem['activations'])}",
+        f"      saved scan carries (layer-group inputs)      {_gb(at['carries'])}",
+        f"      unrematerialised layers' residuals           {_gb(at['kept_layers'])}",
+        f"      their gathered weights                       {_gb(at['kept_weights'])}",
+        f"      one layer group's backward working set       {_gb(at['working_set'])}",
+        f"      largest transient (a2a buffers, QK logits)   {_gb(at['transient'])}",
+        f"      LM head and loss (alternative peak)          {_gb(at['lm_head'])}",
+        f"    router biases                                  {_gb(mem['router_biases'])}",
+        f"    total                                          {_gb(mem['total'])}",
+        f"    device memory {mem['device'] / GB:.1f} GB, usable with {mem['headroom']:.0%} headroom "
+        f"{_gb(mem['usable'])}",
+    ]
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    lines.append(f"  verdict: {verdict} ({mem['total'] / GB:.1f} GB of {mem['usable'] / GB:.1f} GB usable, "
+                 f"{mem['total'] / mem['usable']:.0%})")
+    if p["largest_replicated"]:
+        lines.append(f"  fully replicated parameters: {p['replicated_bytes'] / GB:.3f} GB in all; largest:")
+        for r in p["largest_replicated"]:
+            lines.append(f"    {r['param']:<60} {r['bytes'] / GB:8.3f} GB")
+    lines += ["", "  collectives per step per device (estimate)     GB sent   axes                 seconds"]
+    for r in p["collectives"]:
+        lines.append(f"    {r['what']:<42} {_gb(r['bytes'])}   {'+'.join(r['axes']):<20} {r['seconds']:8.3f}")
+    lines += [
+        f"    total                                      {_gb(sum(r['bytes'] for r in p['collectives']))}"
+        f"   {'':<20} {t['comm_s']:8.3f}",
+        "",
+        f"  compute (estimate): {t['flops_per_token'] / 1e9:.0f} GFLOP/token (6N + attention, k3.params 'full') x "
+        f"{p['tokens_per_device_step']:,} tokens / tensor {p['mesh']['tensor']}"
+        f"{' x 4/3 recompute' if t['remat_recompute_factor'] > 1 else ''} at {t['mfu']:.0%} MFU: "
+        f"{t['compute_s']:.3f} s",
+        f"  step time (estimate): {t['step_s_overlapped']:.3f} s with communication fully overlapped, "
+        f"{t['step_s_serial']:.3f} s with none ({t['tokens_per_s'] / 1e6:.2f}M tokens/s)",
+    ]
+    for n in p["notes"]:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_meshes(n_devices: int, n_experts: int, tensors=(1, 2, 4, 8)) -> list[dict[str, int]]:
+    """Meshes of ``n_devices`` over (data, fsdp, expert, context=1, tensor in ``tensors``) with expert
+    dividing ``n_experts``."""
+    out = []
+    for tp in tensors:
+        if n_devices % tp:
+            continue
+        rest = n_devices // tp
+        for ep in _divisors(rest):
+            if n_experts % ep:
+                continue
+            for dp in _divisors(rest // ep):
+                out.append({"data": dp, "fsdp": rest // ep // dp, "expert": ep, "context": 1, "tensor": tp})
+    return out
+
+
+def suggest(mdl: PlanInputs, n_devices: int, device: str, *, batch: int | None = None, seq: int | None = None,
+            remat: bool | None = None, mfu: float = 0.4, headroom: float = 0.10,
+            capacity_factor: float | None = None) -> dict:
+    """Plans every `candidate_meshes` mesh; returns {'fitting': plans ranked by tokens/s (serial
+    estimate), 'closest': the least over-full plans, 'skipped': meshes the batch does not divide}."""
+    plans, skipped = [], 0
+    for sizes in candidate_meshes(n_devices, mdl.cfg.model.moe.n_experts):
+        try:
+            plans.append(plan(mdl, sizes, device, batch=batch, seq=seq, remat=remat, mfu=mfu,
+                              headroom=headroom, capacity_factor=capacity_factor))
+        except PlanError:
+            skipped += 1
+    fitting = sorted((p for p in plans if p["fits"]), key=lambda p: -p["time"]["tokens_per_s"])
+    closest = sorted(plans, key=lambda p: p["memory"]["total"])
+    return {"fitting": fitting, "closest": closest, "skipped": skipped, "candidates": len(plans) + skipped}
+
+
+def format_suggest(res: dict, n_devices: int, device: str, top: int, label: str = "") -> str:
+    """A ranked table of the best fitting meshes (or the closest ones when none fits)."""
+    dev = DEVICES[device]
+    fits = res["fitting"]
+    head = (f"k3.plan --suggest: {n_devices} x {dev.description}{label}: {len(fits)} of {res['candidates']} "
+            f"meshes fit ({res['skipped']} skipped: batch not divisible)")
+    rows = fits[:top] if fits else res["closest"][:top]
+    lines = [head, "  " + ("best by estimated throughput (no overlap):" if fits else
+                           "NONE FITS; the least over-full meshes:")]
+    lines.append(f"    {'data':>5} {'fsdp':>5} {'expert':>6} {'tensor':>6}  {'batch':>6}  {'mem GB':>7} "
+                 f"{'of usable':>9}  {'step s':>7}  {'comm s':>7}  {'Mtok/s':>7}")
+    for p in rows:
+        m = p["mesh"]
+        lines.append(f"    {m['data']:>5} {m['fsdp']:>5} {m['expert']:>6} {m['tensor']:>6}  {p['batch']:>6}  "
+                     f"{p['memory']['total'] / GB:7.1f} {p['memory']['total'] / p['memory']['usable']:9.0%}  "
+                     f"{p['time']['step_s_serial']:7.2f}  {p['time']['comm_s']:7.2f}  "
+                     f"{p['time']['tokens_per_s'] / 1e6:7.2f}")
+    if fits:
+        b = fits[0]
+        mesh = ",".join(f"{a}:{s}" for a, s in b["mesh"].items() if s > 1)
+        lines.append(f"  suggested: --mesh={mesh} (--batch={b['batch']}); FITS at "
+                     f"{b['memory']['total'] / GB:.1f} GB of {b['memory']['usable'] / GB:.1f} GB usable")
+    else:
+        lines.append(f"  verdict: DOES NOT FIT on {n_devices} x {device} under these settings")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _define_flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "config file (experiments/configs/*.py)", lock_config=True)
+    flags.DEFINE_string("mesh", "", "axis:size list, e.g. data:1,fsdp:64,expert:64 (missing axes = 1, one may be -1)")
+    flags.DEFINE_integer("devices", 0, "device count: fills a -1 mesh axis; required by --suggest")
+    flags.DEFINE_string("device", "h200", f"device kind: {', '.join(DEVICES)}")
+    flags.DEFINE_integer("batch", 0, "global sequences per step (0 = data.batch_size)")
+    flags.DEFINE_integer("seq", 0, "tokens per sequence (0 = data.seq_len)")
+    flags.DEFINE_enum("remat", None, ["full", "none"], "override model.remat")
+    flags.DEFINE_float("mfu", 0.4, "model-FLOP utilisation assumed for the compute time")
+    flags.DEFINE_float("headroom", 0.10, "fraction of device memory left for XLA buffers and fragmentation")
+    flags.DEFINE_bool("suggest", False, "search meshes of --devices devices and print the best that fit")
+    flags.DEFINE_integer("top", 5, "meshes to print with --suggest")
+    flags.DEFINE_float("suggest_capacity_factor", 1.25,
+                       "with --suggest on a dropless config where nothing fits, search again at this "
+                       "model.moe.capacity_factor (0 = never)")
+    flags.DEFINE_bool("json", False, "print JSON instead of the table")
+    flags.mark_flags_as_required(["config"])
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv) -> None:
+    """CLI entry point (see the module docstring)."""
+    from absl import flags
+
+    if len(argv) > 1:
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    F = flags.FLAGS
+    if F.device not in DEVICES:
+        _fail(f"unknown device {F.device!r}; known devices: {', '.join(DEVICES)}")
+    if not 0 <= F.headroom < 1 or not 0 < F.mfu <= 1:
+        _fail("--headroom must be in [0, 1) and --mfu in (0, 1]")
+    remat = None if F.remat is None else F.remat == "full"
+    kw = dict(batch=F.batch or None, seq=F.seq or None, remat=remat, mfu=F.mfu, headroom=F.headroom)
+    try:
+        if F.suggest:
+            if F.devices <= 0:
+                _fail("--suggest needs --devices=N")
+            mdl = load_model(F.config)
+            res = suggest(mdl, F.devices, F.device, **kw)
+            out = {"settings": "config", "result": res}
+            text = format_suggest(res, F.devices, F.device, F.top)
+            cf = F.config.model.moe.capacity_factor
+            if not res["fitting"] and cf <= 0 and F.suggest_capacity_factor > 0:
+                res2 = suggest(mdl, F.devices, F.device, capacity_factor=F.suggest_capacity_factor, **kw)
+                text += "\n\n" + format_suggest(
+                    res2, F.devices, F.device, F.top,
+                    f", with --config.model.moe.capacity_factor={F.suggest_capacity_factor}")
+                out["capacity_factor_retry"] = {"capacity_factor": F.suggest_capacity_factor, "result": res2}
+            if F.json:
+                for r in [out["result"]] + ([out["capacity_factor_retry"]["result"]]
+                                            if "capacity_factor_retry" in out else []):
+                    r["fitting"] = [_strip(p) for p in r["fitting"][:F.top]]
+                    r["closest"] = [_strip(p) for p in r["closest"][:F.top]]
+                print(json.dumps(out, indent=1))
+            else:
+                print(text)
+            return
+        if not F.mesh:
+            _fail("pass --mesh=axis:size,... (or --suggest --devices=N)")
+        sizes = parse_mesh(F.mesh, F.devices or None)
+        p = plan(load_model(F.config), sizes, F.device, **kw)
+    except PlanError as e:
+        _fail(str(e))
+    print(json.dumps(_strip(p), indent=1) if F.json else format_plan(p))
+
+
+def _strip(p: dict) -> dict:
+    """A plan without its bulky per-layer breakdown, for JSON."""
+    return {k: v for k, v in p.items() if k != "per_layer"}
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)
