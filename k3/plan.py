@@ -4,10 +4,12 @@
         [--batch=GLOBAL_SEQUENCES --seq=TOKENS --remat=full|none --mfu=0.4 --headroom=0.1] [--json]
     python -m k3.plan --config=experiments/configs/k3_full.py --suggest --devices=1024 --device=h200
 
-Everything is derived from abstract shapes (``nnx.eval_shape`` of the model, ``jax.eval_shape`` of the
-optimizer's init), the sharding rules of `k3.sharding` resolved on a mesh that need not exist (a
-`PlanMesh` of axis sizes), and the model code's own layout (`k3.model.plan_layers`). Nothing is
-allocated, so 2.78T parameters on 1024 devices plan in about a second.
+``--config.x=...`` overrides work as in `launch.train` (e.g. ``--config.model.moe.capacity_factor=1.25``,
+``--config.mesh.rule_overrides=...``). Everything is derived from abstract shapes (``nnx.eval_shape``
+of the model, ``jax.eval_shape`` of the optimizer's init), the sharding rules of `k3.sharding`
+resolved on a mesh that need not exist (a `PlanMesh` of axis sizes), and the model code's own layer
+layout (`k3.model.plan_layers`). Nothing is allocated: 2.78T parameters on 1024 devices plan in
+seconds.
 
 Per-device bytes (1 GB = 1e9 bytes):
   parameters   sum over parameters of  bytes(p) / S(p),  S(p) = product of the mesh axes that
@@ -17,16 +19,24 @@ Per-device bytes (1 GB = 1e9 bytes):
                sharded like the parameter it mirrors: Muon matrices 1 buffer (momentum), AdamW leaves 2
                (mu, nu), in the parameter dtype; optax keeps no separate master copy.
   gradients    bytes(params) (the train step differentiates w.r.t. the stored float32 parameters); with
-               optim.grad_accum = A > 1 the step stacks the A micro-batch gradients before averaging:
-               (A + 1) x bytes(params).
-  activations  an ESTIMATE of the peak, see `activation_estimate`.
+               optim.grad_accum = A > 1 the step adds each micro-batch's gradients into one running
+               sum: 2 x bytes(params).
+  activations  an ESTIMATE of the peak, see `activation_estimate` and `layer_residual_bytes`.
 
 Collective bytes sent per device per step (ring algorithms: all-gather and reduce-scatter of an array
 of S bytes over n devices send S (n-1)/n, all-reduce 2 S (n-1)/n, all-to-all of an S-byte buffer
 S (n-1)/n), in the compute dtype (XLA reshards at the matmul operand, after the cast), per micro-batch
 and times grad_accum; see `collective_estimate`. Times use the device table's link bandwidths: a group
 of devices inside one node runs at the intra-node rate, a group spanning nodes at the inter-node rate
-(all-to-all: its cross-node share at the inter-node rate). Compute time = FLOPs / (peak * MFU).
+(all-to-all: its cross-node share at the inter-node rate). Compute time = k3.params' 'full' FLOPs
+(x 4/3 with remat: the forward runs twice) / (peak * MFU). Verdict: FITS when parameters + optimizer
++ gradients + activations <= device memory * (1 - headroom).
+
+``--suggest --devices=N`` plans every mesh over (data, fsdp, expert | n_experts, context=1, tensor in
+{1, 2, 4, 8}) at one sequence per device per micro-batch (or ``--batch``) and ranks the fitting ones
+by estimated throughput. When none fits it searches again, saying so: with a capacity factor if the
+config is dropless, then with context parallelism (the default rules shard dense parameters over
+``context`` too; `context_fsdp_overrides` adds it to any FSDP rule an override leaves without it).
 """
 
 from __future__ import annotations
@@ -91,19 +101,22 @@ class PlanError(ValueError):
 # Mesh without devices
 
 
-@dataclasses.dataclass(frozen=True)
 class PlanMesh:
     """Axis sizes only: all that `Sharder.spec` reads from a mesh (``.shape``). Hashable."""
 
-    sizes: tuple[tuple[str, int], ...]
+    def __init__(self, sizes: tuple[tuple[str, int], ...]):
+        self.sizes = tuple(sizes)
+        self.shape = dict(self.sizes)
+        self.size = math.prod(s for _, s in self.sizes)
 
-    @property
-    def shape(self) -> dict[str, int]:
-        return dict(self.sizes)
+    def __eq__(self, other):
+        return isinstance(other, PlanMesh) and other.sizes == self.sizes
 
-    @property
-    def size(self) -> int:
-        return math.prod(s for _, s in self.sizes)
+    def __hash__(self):
+        return hash(self.sizes)
+
+    def __repr__(self):
+        return f"PlanMesh({self.sizes})"
 
 
 def plan_sharder(sizes: Mapping[str, int], rules=DEFAULT_RULES) -> Sharder:
@@ -134,6 +147,8 @@ def parse_mesh(text: str, devices: int | None = None) -> dict[str, int]:
             raise PlanError(f"--mesh: size of {axis!r} must be an integer, got {size!r}") from None
     if -1 in sizes.values() and not devices:
         raise PlanError("--mesh has a -1 axis: pass --devices=N to fill it")
+    if devices and -1 not in sizes.values() and math.prod(sizes.values()) != devices:
+        raise PlanError(f"--mesh sizes multiply to {math.prod(sizes.values())} devices, not --devices={devices}")
     n = devices or math.prod(s for s in sizes.values() if s > 0)
     try:
         return mesh_shape(sizes, n)
@@ -196,23 +211,20 @@ class ParamInfo:
     path: tuple
     shape: tuple[int, ...]
     itemsize: int
+    dtype: str
     axes: tuple
     muon: bool
     routed: bool
     region: str
     layer: int | None
+    elems: int = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)
+    name: str = dataclasses.field(init=False)
 
-    @property
-    def elems(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.elems * self.itemsize
-
-    @property
-    def name(self) -> str:
-        return "/".join(str(p) for p in self.path)
+    def __post_init__(self):
+        self.elems = math.prod(self.shape)
+        self.nbytes = self.elems * self.itemsize
+        self.name = "/".join(str(p) for p in self.path)
 
 
 def param_infos(params_state, per_head: bool = False) -> list[ParamInfo]:
@@ -224,30 +236,55 @@ def param_infos(params_state, per_head: bool = False) -> list[ParamInfo]:
         region = {"head_layers": "head", "body": "body", "tail_layers": "tail"}.get(str(path[0]), "top")
         layer = int(path[1]) if region in ("head", "tail") else None
         out.append(ParamInfo(
-            path=tuple(path), shape=tuple(var.shape), itemsize=np.dtype(var.dtype).itemsize, axes=axes,
+            path=tuple(path), shape=tuple(var.shape), itemsize=np.dtype(var.dtype).itemsize,
+            dtype=np.dtype(var.dtype).name, axes=axes,
             muon=k3_optim.param_dimension_numbers(name, axes, per_head) is not None,
             routed=name in ROUTED and "experts" in axes and "expert_embed" in axes,
             region=region, layer=layer))
     return out
 
 
-def param_shard_axes(info: ParamInfo, sharder: Sharder) -> list[tuple[str, ...]]:
+def param_shard_axes(info: ParamInfo, sharder: Sharder) -> tuple[tuple[str, ...], ...]:
     """Per dimension, the mesh axes that shard it (the rules resolved with divisibility)."""
-    spec = sharder.spec(info.axes, info.shape)
-    return [_spec_axes(e) for e in spec]
+    return tuple(_spec_axes(e) for e in sharder.spec(info.axes, info.shape))
 
 
-def param_bytes(infos: list[ParamInfo], sharder: Sharder) -> dict:
+def param_shards(infos: list[ParamInfo], sharder: Sharder) -> list[int]:
+    """Per parameter, how many ways it is split: the product of the mesh axes that shard it."""
+    return [r[0] for r in _resolve(infos, sharder, ())]
+
+
+def _resolve(infos: list[ParamInfo], sharder: Sharder, token_axes: tuple) -> list[tuple]:
+    """Per parameter (shard count, gather axes, shard count kept while gathered, all-reduce axes);
+    see `param_comm`. Parameters of equal axes and shape resolve once."""
+    memo: dict = {}
+    out = []
+    for p in infos:
+        key = (p.axes, p.shape, p.routed)
+        if key not in memo:
+            dims = param_shard_axes(p, sharder)
+            all_axes = [a for d in dims for a in d]
+            ep = set(dims[p.axes.index("experts")]) if p.routed else set()
+            gather = tuple(a for a in all_axes if a in token_axes and a not in ep)
+            keep = _shards(sharder, [a for a in all_axes if a not in gather])
+            reduce = tuple(a for a in token_axes if a not in all_axes)
+            memo[key] = (_shards(sharder, all_axes), gather, keep, reduce)
+        out.append(memo[key])
+    return out
+
+
+def param_bytes(infos: list[ParamInfo], sharder: Sharder, shards: list[int] | None = None) -> dict:
     """Per-device parameter bytes: total, per parameter (name -> bytes), and the replicated ones.
 
-    Returns {'total', 'global', 'per_param': {name: bytes}, 'replicated': [(bytes, name)] largest
-    first (parameters with no sharded dimension on a multi-device mesh)}.
+    ``shards``: `param_shards` when already computed. Returns {'total', 'global', 'per_param':
+    {name: bytes}, 'replicated': [(bytes, name)] largest first (parameters with no sharded
+    dimension on a multi-device mesh)}.
     """
+    shards = param_shards(infos, sharder) if shards is None else shards
     per, replicated = {}, []
-    for p in infos:
-        axes = [a for dim in param_shard_axes(p, sharder) for a in dim]
-        per[p.name] = p.nbytes / _shards(sharder, axes)
-        if not axes and sharder.mesh.size > 1:
+    for p, n in zip(infos, shards):
+        per[p.name] = p.nbytes / n
+        if n == 1 and sharder.mesh.size > 1:
             replicated.append((p.nbytes, p.name))
     replicated.sort(reverse=True)
     return {"total": sum(per.values()), "global": sum(p.nbytes for p in infos), "per_param": per,
@@ -289,10 +326,10 @@ def optimizer_leaves(cfg, params_state, infos: list[ParamInfo]) -> list[tuple[in
     return out
 
 
-def optimizer_bytes(leaves, infos: list[ParamInfo], sharder: Sharder) -> dict:
+def optimizer_bytes(leaves, infos: list[ParamInfo], sharder: Sharder, shards: list[int] | None = None) -> dict:
     """Per-device optimizer-state bytes, each leaf sharded like its parameter: {'total', 'muon',
     'adam', 'other'} (Muon momentum, AdamW moments, replicated scalars)."""
-    shards = [_shards(sharder, [a for d in param_shard_axes(p, sharder) for a in d]) for p in infos]
+    shards = param_shards(infos, sharder) if shards is None else shards
     out = {"muon": 0.0, "adam": 0.0, "other": 0.0}
     for idx, nbytes, kind in leaves:
         out[kind] += nbytes / (shards[idx] if idx is not None else 1)
@@ -303,11 +340,11 @@ def optimizer_bytes(leaves, infos: list[ParamInfo], sharder: Sharder) -> dict:
 def optimizer_bytes_by_rule(infos: list[ParamInfo], optim_name: str, sharder: Sharder | None = None) -> float:
     """What the Muon/AdamW split of `k3.optim` implies: 1 buffer per Muon matrix, 2 per AdamW
     parameter ('adamw': 2 per parameter), in the parameter dtype; per device with ``sharder``."""
+    shards = [1] * len(infos) if sharder is None else param_shards(infos, sharder)
     total = 0.0
-    for p in infos:
+    for p, s in zip(infos, shards):
         n = 1 if (optim_name == "muon" and p.muon) else 2
-        shards = 1 if sharder is None else _shards(sharder, [a for d in param_shard_axes(p, sharder) for a in d])
-        total += n * p.nbytes / shards
+        total += n * p.nbytes / s
     return total
 
 
@@ -323,7 +360,8 @@ class Layout:
     ``micro``: sequences per device per micro-batch; ``t``: local tokens per sequence; ``tokens``:
     local tokens per micro-batch (micro * t); divisors ``*_div`` of heads, FFN widths and vocabulary.
     ``expert_axes``/``P``: the expert-parallel group and its size; ``C``: all-to-all rows per
-    destination device (0 without expert parallelism).
+    destination device (0 without expert parallelism); ``dispatch``: 'padded' (fixed [P, C] buffers
+    travel) or 'ragged' (only the routed rows travel; the receive buffer still has P C rows).
     """
 
     batch_axes: tuple[str, ...]
@@ -341,17 +379,21 @@ class Layout:
     expert_axes: tuple[str, ...]
     P: int
     C: int
+    dispatch: str = "padded"
 
     @property
     def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the tokens (batch, then sequence)."""
         return self.batch_axes + self.context_axes
 
     @property
     def tokens(self) -> int:
+        """Local tokens per micro-batch."""
         return self.micro * self.t
 
     @property
     def cp(self) -> int:
+        """Context-parallel degree: shards of the sequence."""
         return self.seq // self.t
 
 
@@ -388,6 +430,9 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
     cf = m.moe.capacity_factor if capacity_factor is None else capacity_factor
     R = micro * t * m.moe.top_k
     C = 0 if P == 1 else (R if cf <= 0 else max(1, math.ceil(cf * R / P)))
+    # 'auto' picks the ragged all-to-all on GPUs and TPUs (`k3.moe.MoE`), which every device kind
+    # of the table is; the emulated ragged exchange moves padded chunks.
+    dispatch = {"auto": "ragged", "ragged": "ragged"}.get(m.moe.ep_dispatch, "padded")
     return Layout(
         batch_axes=b_axes, context_axes=c_axes, micro=micro, accum=accum, t=t, seq=seq,
         kda_heads_div=_axes_shards(sharder, ("act_heads",), (m.kda.n_heads,), 0)[1],
@@ -396,56 +441,87 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
         shared_div=_axes_shards(sharder, ("mlp",), (max(m.moe.shared_dim, 1),), 0)[1],
         expert_mlp_div=_shards(sharder, f_axes),
         vocab_div=_axes_shards(sharder, ("act_vocab",), (m.vocab_size,), 0)[1],
-        expert_axes=expert_axes, P=P, C=C)
+        expert_axes=expert_axes, P=P, C=C, dispatch=dispatch)
 
 
 # ---------------------------------------------------------------------------------------------
 # Activations
 
+_LAYOUTS: dict = {}
+
+
+def _layers(m):
+    """(`layer_kinds`, `plan_layers`) of a model config, cached by the fields that decide them."""
+    key = (m.n_layers, m.mixer, m.mla_period, m.first_k_dense, m.scan_layers)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = (layer_kinds(m), plan_layers(m))
+    return _LAYOUTS[key]
+
+
+# Bytes a layer keeps for its backward pass, per element of the named tensor. They come from XLA's
+# buffer assignment (CPU backend, JAX 0.10.2) for single layers of this codebase at reduced width:
+# the growth of the compiled gradient's temporary bytes from 1 to 3 stacked copies of the layer,
+# split over the tensors that scale it. They fold in the fp32 copies JAX saves for norms, gates and
+# activations, and what XLA's fusion removes again; another backend's fusion will differ somewhat.
+NORM_BYTES = 8.0  # per element of an RMSNorm input: its fp32 copy and the normalised product
+ATTN_RES_BYTES = 12.0  # per candidate element [M, N, D] of one depth mix: fp32 candidates and squares
+GLU_BYTES = {"situ": 22.0, "swiglu": 18.0}  # per hidden element of a gated FFN, gate/up outputs included
+KDA_CHUNK_BYTES = (316.0, 1.1)  # whole KDA layer on the jnp chunked core: a + b * chunk per N*H*K (K = 128)
+KDA_LAYER_BYTES = 121.0  # per element of N*H*K outside the core: causal convs, gates, output norm
+MLA_SCORE_BYTES = 16.0  # per attention score [B, H, T, S]: fp32 logits, exp, bf16 probabilities, mask
+MLA_LATENT_BYTES = 7.0  # per element of the q/kv latents (q_lora + kv_lora + rope) and their norms
+
 
 def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: bool) -> dict:
     """Estimated bytes one layer keeps for its backward pass, per device, and its largest transient.
 
-    N = local tokens per micro-batch, D = d_model, a = compute-dtype bytes, f = 4 (fp32), widths
-    divided by their tensor-parallel shards (heads H, FFN widths); M = AttnRes candidates.
-      stream   4 N D a                 pre-norm inputs and outputs of both sublayers
-      attn_res 2 M N D f               (Block AttnRes) each of the 2 depth mixes saves its fp32
-                                       candidates [M, N, D], M = bank slots + the partial sum
-      kda      X (15 f + 4 a) + X (V/C) f + 3 N H C f + N K a,   X = N H K:
-               fp32 conv inputs/outputs of q, k, v (6 f), SiLU outputs for the L2 norm (2 f),
-               q, k, v to the core (3 a), gate pre-activation and log decay (2 f), WY-form core
-               terms (2 f), output norm input, norm output and output gate (3 f), gated output (a);
-               chunk states [N/C, H, K, V] fp32; intra-chunk [C, C] matrices (3 per chunk); the
-               low-rank decay projection
-      mla      N (2 r_q + 2 r_kv + d_r) a            latent projections and their norms
-               + N H (5 d_qk + d_n + d_v) a           q, kv up-projection, concatenated q and k, v
-                                                      zero-padded to d_qk, padded attention output
-               + N H f + N H d_v (2 a + f)            flash softmax statistics; output gate
-               + b t T (1 + a)                        [B, 1, T, T] document mask and its bias
-               context > 1 (gather path, not flash): + b t T H (f + a) saved probabilities and the
-               gathered k, v b T H (d_qk + d_v) a;
-               transient: QK-Clip's fp32 logits b H t T f (a second QK^T pass, only with qk_clip)
-      dense    3 N F a + N D a
-      moe      router 2 N E f; latent N W a; expert side R (W + 3 F_e) a with R = P C received rows
-               (P = expert shards, C = N k dropless or ceil(c N k / P); R = N k without expert
-               parallelism); routed outputs back home N k W (a + f); combine and latent norm
-               N W (f + 2 a); shared expert 3 N F_s a; output N D a.
-               transient: a send and a receive buffer of the all-to-all, 2 R W a.
+    N = local tokens per micro-batch (b sequences of t tokens; S = the full sequence the keys span),
+    D = d_model, a = compute-dtype bytes, f = 4; head counts and FFN widths are per device (divided
+    by their tensor-parallel shards); constants are the module's *_BYTES (see there).
+      stream   2 NORM N D + 2 N D a         the two pre-norms and the sublayer outputs
+      attn_res 2 ATTN_RES M N D             (Block AttnRes) two depth mixes over M = bank slots + 1
+                                            candidates
+      kda      X (KDA_LAYER + core),  X = N H K; core for impl 'chunk'/'reference'/'recurrent':
+               KDA_CHUNK = 316 + 1.1 C - KDA_LAYER; for 'pallas' the kernel's own residuals:
+               3 a + 3 f (q, k, v, cumulative gate, w, v_new) + 2 C f / K (Aqk, T) + V f / C (chunk states)
+      mla      b H t S MLA_SCORE                 XLA softmax attention (jax.nn.dot_product_attention
+                                                 without an implementation is the XLA path; the context-
+                                                 parallel path materialises the same scores)
+               + N H ((5 d_qk + d_n + d_v) a + f + d_v (2 a + f))   q, kv up-projection, concatenated
+                                                 q and k, v padded to d_qk, output, output gate
+               + N (r_q + r_kv + d_r) MLA_LATENT  latent projections and their norms
+               context > 1: + the gathered k, v: b S H (d_qk + d_v) a
+               transient: the backward's score gradient, 8 b H t S, or QK-Clip's second score pass
+               (fp32 logits and mask, 9 b H t S) when optim.qk_clip
+      dense    N F GLU + N D a
+      moe      router: fp32 input copy N D f + scores 2 N E f; latent input N W a and its norm
+               N W (NORM + a); expert side R (W a + F_e GLU), R = P C rows received (P = expert
+               shards, C = N k dropless or ceil(c N k / P); without expert parallelism R = N k);
+               routed outputs home N k W (a + f); shared expert N F_s GLU; output N D a.
+               transient: the all-to-all's send and receive buffers, (R + R) W a padded or
+               (N k + R) W a ragged (the sorted routes are sent as they are).
     Returns {'total': bytes, 'transient': bytes, term: bytes ...}.
     """
     f = 4
     N, D = lay.tokens, m.d_model
-    out = {"stream": 4 * N * D * a}
+    glu = GLU_BYTES.get(m.activation, GLU_BYTES["situ"])
+    out = {"stream": 2 * NORM_BYTES * N * D + 2 * N * D * a}
     if m.residual == "attn_res":
         M = n_bank_slots(m.n_layers, m.attn_res_block_size) + 1
-        out["attn_res"] = 2 * M * N * D * f
+        out["attn_res"] = 2 * ATTN_RES_BYTES * M * N * D
     transient = 0.0
+    scores = 0
     if mixer == "kda":
         k = m.kda
         H = k.n_heads // lay.kda_heads_div
         K = V = k.head_dim
+        C = k.chunk_size
         X = N * H * K
-        kda = X * (15 * f + 4 * a) + X * V / k.chunk_size * f + 3 * N * H * k.chunk_size * f + N * K * a
+        if k.impl == "pallas":
+            core = 3 * a + 3 * f + 2 * C * f / K + V * f / C
+        else:
+            core = KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * C - KDA_LAYER_BYTES
+        kda = X * (KDA_LAYER_BYTES + core)
         if lay.cp > 1:
             kda += lay.cp * lay.micro * H * K * (K + V) * f  # the gathered state pairs
         out["kda"] = kda
@@ -453,31 +529,31 @@ def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: 
         q = m.mla
         H = q.n_heads // lay.mla_heads_div
         dqk = q.qk_nope_dim + q.qk_rope_dim
-        mla = N * (2 * q.q_lora_rank + 2 * q.kv_lora_rank + q.qk_rope_dim) * a
-        mla += N * H * (5 * dqk + q.qk_nope_dim + q.v_head_dim) * a
-        mla += N * H * f + N * H * q.v_head_dim * (2 * a + f) + lay.micro * lay.t * lay.seq * (1 + a)
+        scores = lay.micro * H * lay.t * lay.seq
+        mla = scores * MLA_SCORE_BYTES
+        mla += N * H * ((5 * dqk + q.qk_nope_dim + q.v_head_dim) * a + f + q.v_head_dim * (2 * a + f))
+        mla += N * (q.q_lora_rank + q.kv_lora_rank + q.qk_rope_dim) * MLA_LATENT_BYTES
         if lay.cp > 1:
-            mla += lay.micro * lay.t * lay.seq * H * (f + a) + lay.micro * lay.seq * H * (dqk + q.v_head_dim) * a
-            transient = max(transient, lay.micro * H * lay.t * lay.seq * f)
-        if qk_clip:
-            transient = max(transient, lay.micro * H * lay.t * lay.seq * f)
+            mla += lay.micro * lay.seq * H * (dqk + q.v_head_dim) * a
+        transient = max(transient, scores * (9 if qk_clip else 8))
         out["mla"] = mla
     if ffn == "dense":
-        out["ffn"] = 3 * N * (m.dense_ffn_dim // lay.mlp_div) * a + N * D * a
+        out["ffn"] = N * (m.dense_ffn_dim // lay.mlp_div) * glu + N * D * a
     else:
         e = m.moe
         W = e.latent_dim if e.latent_dim > 0 else D
         Fe = e.expert_dim // lay.expert_mlp_div
         R = lay.P * lay.C if lay.P > 1 else N * e.top_k
-        moe = 2 * N * e.n_experts * f + R * (W + 3 * Fe) * a + N * e.top_k * W * (a + f)
-        moe += N * W * (f + 2 * a) + N * D * a
+        moe = N * D * f + 2 * N * e.n_experts * f + R * (W * a + Fe * glu) + N * e.top_k * W * (a + f)
+        moe += N * D * a
         if e.latent_dim > 0:
-            moe += N * W * a
+            moe += N * W * a + N * W * (NORM_BYTES + a)
         if e.shared_dim > 0:
-            moe += 3 * N * (e.shared_dim // lay.shared_div) * a
+            moe += N * (e.shared_dim // lay.shared_div) * glu
         out["moe"] = moe
         if lay.P > 1:
-            transient = max(transient, 2 * R * W * a)
+            sent = R if lay.dispatch == "padded" else N * e.top_k
+            transient = max(transient, (sent + R) * W * a)
     out["total"] = sum(v for k, v in out.items())
     out["transient"] = transient
     return out
@@ -496,7 +572,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
       working set  remat: the residuals of one body group during its backward (recomputed), plus the
                    stream cotangents (2 carries) and one group's gathered weights and their
                    unreduced gradients (FSDP gather buffers)
-      transient    the largest single transient of any layer (all-to-all buffers, QK-Clip logits)
+      transient    the largest single transient of any layer (all-to-all buffers, attention-score
+                   gradients or QK-Clip logits)
       LM head      N V_l (a + 2 f): logits, fp32 log-softmax and its gradient, plus the gathered LM
                    head weight and its unreduced gradient
     peak = carries + kept layers + max(working set + transient, LM head).
@@ -504,10 +581,10 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
     m = cfg.model
     a = np.dtype(m.dtype).itemsize
     N, D = lay.tokens, m.d_model
-    kinds = layer_kinds(m)
-    head, (start, period, repeats), tail = plan_layers(m)
+    kinds, (head, (start, period, repeats), tail) = _layers(m)
     qk_clip = bool(cfg.optim.qk_clip)
-    res = [layer_residual_bytes(m, mk, fk, lay, a, qk_clip) for mk, fk in kinds]
+    by_kind = {kind: layer_residual_bytes(m, *kind, lay, a, qk_clip) for kind in set(kinds)}
+    res = [by_kind[kind] for kind in kinds]
     body_idx = list(range(start, start + period * repeats))
     unrolled = list(head) + list(tail)
     remat = remat and repeats > 0
@@ -535,7 +612,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
     out["peak"] = (out["carries"] + out["kept_layers"] + out["kept_weights"]
                    + max(out["working_set"] + out["transient"], out["lm_head"]))
     out["remat_effective"] = remat
-    out["per_layer"] = res
+    out["unrolled_layers"] = unrolled
+    out["by_kind"] = {f"{mk}/{fk}": {t: v for t, v in r.items()} for (mk, fk), r in by_kind.items()}
     return out
 
 
@@ -543,25 +621,19 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
 # Collectives
 
 
-def _param_comm(p: ParamInfo, sharder: Sharder, lay: Layout):
-    """(gather axes, kept shard count, all-reduce axes) of one parameter's FSDP-style traffic."""
-    dims = param_shard_axes(p, sharder)
-    all_axes = [a for d in dims for a in d]
-    ep = set()
-    if p.routed:
-        ep = set(dims[p.axes.index("experts")])  # reached by the all-to-all, never gathered
-    gather = tuple(a for a in all_axes if a in lay.token_axes and a not in ep)
-    keep = _shards(sharder, [a for a in all_axes if a not in gather])
-    reduce = tuple(a for a in lay.token_axes if a not in all_axes)
-    return gather, keep, reduce
+def param_comm(infos: list[ParamInfo], sharder: Sharder, lay: Layout) -> list[tuple]:
+    """Per parameter, its FSDP-style traffic: (gather axes, shard count kept while gathered,
+    all-reduce axes). A parameter is gathered over the token axes that shard it, except the expert
+    axis of a routed expert's weights (the all-to-all brings the tokens to them instead), and its
+    gradient is all-reduced over the token axes that do not shard it."""
+    return [r[1:] for r in _resolve(infos, sharder, lay.token_axes)]
 
 
-def gather_buffer_bytes(infos: list[ParamInfo], sharder: Sharder, lay: Layout, a: int, repeats: int) -> dict:
+def gather_buffer_bytes(infos: list[ParamInfo], comm: list[tuple], a: int, repeats: int) -> dict:
     """Compute-dtype bytes of gathered weights: one body group ('body_group'), each unrolled layer
     ('unrolled', a list) and the LM head ('lm_head'); a weight is gathered over its token axes only."""
     body, unrolled, lm = 0.0, {}, 0.0
-    for p in infos:
-        _, keep, _ = _param_comm(p, sharder, lay)
+    for p, (_, keep, _) in zip(infos, comm):
         nbytes = p.elems / keep * a
         if p.region == "body":
             body += nbytes / max(repeats, 1)
@@ -573,7 +645,7 @@ def gather_buffer_bytes(infos: list[ParamInfo], sharder: Sharder, lay: Layout, a
 
 
 def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layout, remat: bool,
-                        device: Device) -> list[dict]:
+                        device: Device, comm: list[tuple] | None = None) -> list[dict]:
     """Bytes sent per device per optimizer step by each kind of collective, and their time.
 
     Per micro-batch (then x grad_accum), in the compute dtype (a bytes):
@@ -584,9 +656,11 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
       grad_rs        its gradient reduce-scatter over G: S (g-1)/g
       grad_ar        all-reduce over the token axes the parameter is replicated on (e.g. data):
                      2 S_shard (r-1)/r
-      expert_a2a     per MoE layer a [P C, W] buffer each way: dispatch + return forward, their two
-                     transposes backward, and the forward again under remat: 4 or 6 x P C W a (P-1)/P
-                     (plus the int32 expert ids of each dispatch)
+      expert_a2a     per MoE layer rows of width W each way: dispatch + return forward, their two
+                     transposes backward, and the forward again under remat: 4 or 6 x rows W a (P-1)/P
+                     (plus the int32 expert ids of each dispatch); rows = the padded buffer P C, or
+                     with the ragged all-to-all the N k routes themselves (remote share (P-1)/P under
+                     uniform routing)
       tensor         per layer (tensor > 1): all-reduce of the mixer output, of the FFN output (dense;
                      MoE: shared expert and latent up-projection) N D a each, the routed experts'
                      partial sums N k W a when their hidden width is split, the all-gather of the latent
@@ -599,69 +673,75 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
     """
     m = cfg.model
     a = np.dtype(m.dtype).itemsize
-    head, (start, period, repeats), tail = plan_layers(m)
+    kinds_l, (head, (start, period, repeats), tail) = _layers(m)
     remat = remat and repeats > 0
     sizes = sharder.mesh.shape
     rows: dict[tuple[str, tuple], float] = {}
     kinds: dict[str, str] = {}
 
     def add(what, axes, nbytes, kind="ring"):
-        axes = tuple(x for x in MESH_AXES if x in axes)
+        """Accumulates ``nbytes`` sent by collective ``what`` over mesh ``axes``."""
         rows[(what, axes)] = rows.get((what, axes), 0.0) + nbytes
         kinds[what] = kind
 
     acc = lay.accum
-    for p in infos:
-        gather, keep, reduce = _param_comm(p, sharder, lay)
+    comm = param_comm(infos, sharder, lay) if comm is None else comm
+    grouped: dict[tuple, float] = {}  # (gather, keep, reduce, passes) -> elements
+    for p, (gather, keep, reduce) in zip(infos, comm):
+        key = (gather, keep, reduce, 2 if (remat and p.region == "body") else 1)
+        grouped[key] = grouped.get(key, 0.0) + p.elems
+    for (gather, keep, reduce, times), elems in grouped.items():
         g, r = _shards(sharder, gather), _shards(sharder, reduce)
-        full = p.elems / keep * a
+        full = elems / keep * a
         if g > 1:
-            times = 2 if (remat and p.region == "body") else 1
             add("FSDP all-gather of parameters", gather, acc * times * full * (g - 1) / g)
             add("gradient reduce-scatter", gather, acc * full * (g - 1) / g)
         if r > 1:
-            shard = p.elems / (keep * g) * a
-            add("gradient all-reduce (replicated axes)", reduce, acc * 2 * shard * (r - 1) / r)
-    kinds_l = layer_kinds(m)
+            add("gradient all-reduce (replicated axes)", reduce, acc * 2 * full / g * (r - 1) / r)
     in_body = set(range(start, start + period * repeats))
     N, D = lay.tokens, m.d_model
     e = m.moe
-    W = e.latent_dim if e.latent_dim > 0 else D
+    k, shared, latent = e.top_k, e.shared_dim, e.latent_dim
+    W = latent if latent > 0 else D
     tp = sharder.size("tensor")
+    kda_local = lay.micro * (m.kda.n_heads // lay.kda_heads_div) * m.kda.head_dim * 2 * m.kda.head_dim * 4
+    mla_local = N * (m.mla.n_heads // lay.mla_heads_div) * (
+        m.mla.qk_nope_dim + m.mla.qk_rope_dim + m.mla.v_head_dim) * a
+    a2a = tensor = context = 0.0
     for i, (mixer, ffn) in enumerate(kinds_l):
         passes = 3 if (remat and i in in_body) else 2  # forward, backward (+ recomputed forward)
         if ffn == "moe" and lay.P > 1:
-            buf = lay.P * lay.C * W * a
-            ids = lay.P * lay.C * 4
-            sent = (2 * passes * buf + (passes - 1) * ids) * (lay.P - 1) / lay.P
-            add("expert all-to-all (dispatch + return)", lay.expert_axes, acc * sent, "a2a")
+            n_rows = lay.P * lay.C if lay.dispatch == "padded" else min(N * k, lay.P * lay.C)
+            a2a += (2 * passes * n_rows * W * a + (passes - 1) * n_rows * 4) * (lay.P - 1) / lay.P
         if tp > 1:
             ar = 2 * (tp - 1) / tp
             vol = N * D * a * ar  # the mixer output
             if ffn == "dense":
                 vol += N * D * a * ar
             else:
-                if e.shared_dim > 0:
+                if shared > 0:
                     vol += N * D * a * ar
-                if e.latent_dim > 0:
+                if latent > 0:
                     vol += N * D * a * ar + N * W * a * (tp - 1) / tp
                 if lay.expert_mlp_div > 1:
-                    vol += N * e.top_k * W * a * ar
-            add("tensor-parallel activations", ("tensor",), acc * passes * vol)
+                    vol += N * k * W * a * ar
+            tensor += passes * vol
         if lay.cp > 1:
-            cp = lay.cp
-            if mixer == "kda":
-                H = m.kda.n_heads // lay.kda_heads_div
-                K = m.kda.head_dim
-                local = lay.micro * H * K * 2 * K * 4
-            else:
-                H = m.mla.n_heads // lay.mla_heads_div
-                local = N * H * (m.mla.qk_nope_dim + m.mla.qk_rope_dim + m.mla.v_head_dim) * a
-            add("context-parallel gathers", lay.context_axes, acc * passes * local * (cp - 1))
+            context += passes * (kda_local if mixer == "kda" else mla_local) * (lay.cp - 1)
+    if a2a:
+        add("expert all-to-all (dispatch + return)", lay.expert_axes, acc * a2a, "a2a")
+    if tensor:
+        add("tensor-parallel activations", ("tensor",), acc * tensor)
+    if context:
+        add("context-parallel gathers", lay.context_axes, acc * context)
     if tp > 1:
         add("tensor-parallel activations", ("tensor",), acc * 2 * 2 * N * D * a * 2 * (tp - 1) / tp)
-    out = []
+    merged: dict[tuple[str, tuple], float] = {}
     for (what, axes), nbytes in rows.items():
+        key = (what, tuple(x for x in MESH_AXES if x in axes))
+        merged[key] = merged.get(key, 0.0) + nbytes
+    out = []
+    for (what, axes), nbytes in merged.items():
         out.append({"what": what, "axes": list(axes), "bytes": nbytes,
                     "seconds": collective_seconds(nbytes, sizes, axes, device, kinds[what])})
     order = ["FSDP", "gradient r", "gradient a", "expert", "tensor", "context"]
@@ -681,6 +761,13 @@ class PlanInputs:
     infos: list
     opt_leaves: list
     counts: dict
+    _flops: dict = dataclasses.field(default_factory=dict)
+
+    def flops(self, seq: int) -> dict:
+        """`k3.params.flops_per_token` at context ``seq`` (cached)."""
+        if seq not in self._flops:
+            self._flops[seq] = flops_per_token(self.cfg.model, seq, self.counts)
+        return self._flops[seq]
 
 
 def load_model(cfg) -> PlanInputs:
@@ -694,19 +781,20 @@ def load_model(cfg) -> PlanInputs:
 
 def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, batch: int | None = None,
          seq: int | None = None, remat: bool | None = None, mfu: float = 0.4, headroom: float = 0.10,
-         capacity_factor: float | None = None) -> dict:
+         capacity_factor: float | None = None, rule_overrides: str | None = None) -> dict:
     """The full per-device plan of ``mdl`` on a mesh of ``sizes``: memory, collectives, time, verdict.
 
     ``batch`` global sequences per step (default: the config's, or one sequence per batch shard and
     micro-batch when the config's does not divide over the mesh), ``seq`` tokens per sequence (default
     data.seq_len), ``remat`` (default model.remat), ``mfu`` model-FLOP utilisation assumed for the
     compute time, ``headroom`` the fraction of device memory kept free for XLA's buffers and
-    fragmentation, ``capacity_factor`` overrides model.moe.capacity_factor. All bytes are per device.
+    fragmentation, ``capacity_factor`` overrides model.moe.capacity_factor and ``rule_overrides``
+    mesh.rule_overrides. All bytes are per device.
     """
     cfg = mdl.cfg
     m = cfg.model
     dev = DEVICES[device] if isinstance(device, str) else device
-    rules = parse_rules(cfg.mesh.rule_overrides)
+    rules = parse_rules(cfg.mesh.rule_overrides if rule_overrides is None else rule_overrides)
     sh = plan_sharder(sizes, rules)
     n_dev = sh.mesh.size
     notes = []
@@ -722,21 +810,24 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     lay = make_layout(cfg, sh, int(batch), seq, capacity_factor)
     remat = bool(m.remat) if remat is None else bool(remat)
     a = np.dtype(m.dtype).itemsize
-    _, (_, _, repeats), _ = plan_layers(m)
+    kinds, (_, (_, _, repeats), _) = _layers(m)
     if remat and repeats == 0:
         notes.append("remat has no effect: the model has no scanned layer body (model.scan_layers)")
 
-    pb = param_bytes(mdl.infos, sh)
-    ob = optimizer_bytes(mdl.opt_leaves, mdl.infos, sh)
-    grads = pb["total"] * (1 if accum == 1 else accum + 1)
-    gbuf = gather_buffer_bytes(mdl.infos, sh, lay, a, repeats)
+    resolved = _resolve(mdl.infos, sh, lay.token_axes)
+    shards = [r[0] for r in resolved]
+    comm_info = [r[1:] for r in resolved]
+    pb = param_bytes(mdl.infos, sh, shards)
+    ob = optimizer_bytes(mdl.opt_leaves, mdl.infos, sh, shards)
+    grads = pb["total"] * (1 if accum == 1 else 2)
+    gbuf = gather_buffer_bytes(mdl.infos, comm_info, a, repeats)
     act = activation_estimate(cfg, lay, remat, gbuf)
-    rest = m.moe.n_experts * 4 * sum(1 for _, f in layer_kinds(m) if f == "moe")  # router biases
+    rest = m.moe.n_experts * 4 * sum(1 for _, f in kinds if f == "moe")  # router biases
     total = pb["total"] + ob["total"] + grads + act["peak"] + rest
     usable = dev.memory_bytes * (1 - headroom)
 
-    comm = collective_estimate(cfg, mdl.infos, sh, lay, remat, dev)
-    fpt = flops_per_token(m, seq, mdl.counts)
+    comm = collective_estimate(cfg, mdl.infos, sh, lay, remat, dev, comm_info)
+    fpt = mdl.flops(seq)
     step_tokens = batch * seq
     device_tokens = lay.micro * accum * lay.t
     tp = sh.size("tensor")
@@ -750,9 +841,30 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         notes.append(f"model.param_dtype={m.param_dtype} is not applied: k3.nn.param creates float32 "
                      "parameters, and optimizer state and gradients follow them")
     if lay.P > 1 and (m.moe.capacity_factor if capacity_factor is None else capacity_factor) <= 0:
-        notes.append(f"dropless expert parallelism pads every all-to-all to C = N k = {lay.C:,} rows per "
-                     f"destination (x {lay.P} destinations); a capacity factor (model.moe.capacity_factor) "
-                     "shrinks the buffers by about P / c")
+        what = ("pads every all-to-all to" if lay.dispatch == "padded"
+                else "sizes every all-to-all's receive buffer for")
+        notes.append(f"dropless expert parallelism {what} C = N k = {lay.C:,} rows per source device "
+                     f"(x {lay.P}); a capacity factor (model.moe.capacity_factor) shrinks the buffers by "
+                     "about P / c")
+    if act["remat_effective"] and act["unrolled_layers"] and act["kept_layers"] > 0.2 * act["peak"]:
+        ids = act["unrolled_layers"]
+        which = f"layers {', '.join(map(str, ids))} lie" if len(ids) > 1 else f"layer {ids[0]} lies"
+        notes.append(f"{which} outside the scanned body (k3.model.plan_layers) and never rematerialised: "
+                     f"their residuals take {act['kept_layers'] / GB:.1f} GB")
+    mla_scores = lay.micro * (m.mla.n_heads // lay.mla_heads_div) * lay.t * lay.seq * MLA_SCORE_BYTES
+    if any(k == "mla" for k, _ in kinds) and mla_scores > 0.05 * dev.memory_bytes:
+        notes.append("MLA attention is jax.nn.dot_product_attention without an implementation, i.e. XLA's "
+                     "softmax path, which keeps the [B, H, T, S] scores for the backward "
+                     f"({MLA_SCORE_BYTES:.0f} B per score): {lay.micro} x {m.mla.n_heads // lay.mla_heads_div} "
+                     f"x {lay.t} x {lay.seq} per MLA layer")
+    if m.kda.impl != "pallas" and any(k == "kda" for k, _ in kinds):
+        notes.append(f"KDA runs the jnp chunked core (model.kda.impl={m.kda.impl}), which keeps about "
+                     f"{KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * m.kda.chunk_size:.0f} B per element of "
+                     "N H K for the backward; the Pallas kernel keeps about a third of that")
+    if lay.cp > 1 and not any("context" in g for g, _, _ in comm_info):
+        notes.append("no parameter is sharded over context: every context rank holds the full FSDP shard; "
+                     f"--config.mesh.rule_overrides={context_fsdp_overrides(cfg.mesh.rule_overrides)} "
+                     "would shard them (ZeRO over the context ranks too)")
     big_rep = [(b, n) for b, n in pb["replicated"] if b >= 2**20]
     return {
         "name": cfg.name, "device": dev.description, "device_key": device if isinstance(device, str) else "",
@@ -760,10 +872,10 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         "nodes": math.ceil(n_dev / dev.devices_per_node),
         "batch": batch, "seq": seq, "micro_batch": lay.micro, "grad_accum": accum, "local_seq": lay.t,
         "tokens_per_step": step_tokens, "tokens_per_device_step": device_tokens,
-        "param_dtype": str(np.dtype({4: "float32", 2: "bfloat16"}.get(mdl.infos[0].itemsize, "float32"))),
+        "param_dtype": "/".join(sorted({p.dtype for p in mdl.infos})),
         "compute_dtype": m.dtype, "remat": act["remat_effective"], "optimizer": cfg.optim.name,
         "capacity_factor": m.moe.capacity_factor if capacity_factor is None else capacity_factor,
-        "expert_shards": lay.P, "a2a_rows_per_destination": lay.C,
+        "expert_shards": lay.P, "a2a_rows_per_destination": lay.C, "ep_dispatch": lay.dispatch,
         "total_params": mdl.counts["total_params"], "active_params": mdl.counts["active_params"],
         "memory": {
             "params": pb["total"], "optimizer": ob["total"], "optimizer_muon": ob["muon"],
@@ -772,6 +884,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
             "device": dev.memory_bytes, "headroom": headroom, "usable": usable,
             "activation_terms": {k: act[k] for k in ("carries", "kept_layers", "kept_weights", "working_set",
                                                      "transient", "lm_head")},
+            "per_layer_kind": act["by_kind"],
         },
         "fits": bool(total <= usable),
         "largest_replicated": [{"param": n, "bytes": b} for b, n in big_rep[:5]],
@@ -783,6 +896,10 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
                  "tokens_per_s": step_tokens / step_serial if step_serial else 0.0},
         "notes": notes,
     }
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
 
 
 def _gb(x: float) -> str:
@@ -799,33 +916,41 @@ def format_plan(p: dict) -> str:
         f"  mesh        {mesh}",
         f"  batch       {p['batch']} sequences x {p['seq']} tokens = {p['tokens_per_step'] / 1e6:.2f}M tokens/step; "
         f"per device {p['micro_batch']} x {p['local_seq']} tokens per micro-batch, grad_accum {p['grad_accum']}",
-        f"  model       {p['total_params'] / 1e9:,.1f}B parameters ({p['active_params'] / 1e9:.1f}B active), "
+        f"  model       {_count(p['total_params'])} parameters ({_count(p['active_params'])} active), "
         f"stored {p['param_dtype']}, compute {p['compute_dtype']}, remat={'full' if p['remat'] else 'none'}, "
         f"optimizer {p['optimizer']}",
     ]
     if p["expert_shards"] > 1:
         cf = p["capacity_factor"]
-        lines.append(f"  experts     {p['expert_shards']} expert shards, all-to-all rows per destination "
-                     f"C = {p['a2a_rows_per_destination']:,} ({'dropless' if cf <= 0 else f'capacity factor {cf}'})")
+        lines.append(f"  experts     {p['expert_shards']} expert shards, {p['ep_dispatch']} all-to-all, rows per "
+                     f"destination C = {p['a2a_rows_per_destination']:,} "
+                     f"({'dropless' if cf <= 0 else f'capacity factor {cf}'})")
     at = mem["activation_terms"]
+
+    def row(label, value, extra=""):
+        """One table line: label, GB, optional remark."""
+        return f"    {label:<48}{_gb(value)}{extra}"
+
     lines += [
         "",
-        "  memory per device                                   GB",
-        f"    parameters ({p['param_dtype']}, sharded)           {_gb(mem['params'])}",
-        f"    optimizer state                                {_gb(mem['optimizer'])}"
-        f"   (Muon momentum {mem['optimizer_muon'] / GB:.2f}, AdamW moments {mem['optimizer_adam'] / GB:.2f})",
-        f"    gradients                                      {_gb(mem['gradients'])}",
-        f"    activations (estimate)                         {_gb(mem['activations'])}",
-        f"      saved scan carries (layer-group inputs)      {_gb(at['carries'])}",
-        f"      unrematerialised layers' residuals           {_gb(at['kept_layers'])}",
-        f"      their gathered weights                       {_gb(at['kept_weights'])}",
-        f"      one layer group's backward working set       {_gb(at['working_set'])}",
-        f"      largest transient (a2a buffers, QK logits)   {_gb(at['transient'])}",
-        f"      LM head and loss (alternative peak)          {_gb(at['lm_head'])}",
-        f"    router biases                                  {_gb(mem['router_biases'])}",
-        f"    total                                          {_gb(mem['total'])}",
-        f"    device memory {mem['device'] / GB:.1f} GB, usable with {mem['headroom']:.0%} headroom "
-        f"{_gb(mem['usable'])}",
+        f"    {'memory per device':<48}{'GB':>9}",
+        row(f"parameters ({p['param_dtype']}, sharded)", mem["params"]),
+        row("optimizer state", mem["optimizer"], f"   (Muon momentum {mem['optimizer_muon'] / GB:.2f}, "
+                                                 f"AdamW moments {mem['optimizer_adam'] / GB:.2f})"),
+        row("gradients", mem["gradients"]),
+        row("activations (estimate)", mem["activations"]),
+        row("  saved scan carries (layer-group inputs)", at["carries"]),
+        row("  unrematerialised layers' residuals", at["kept_layers"]),
+        row("  their gathered weights", at["kept_weights"]),
+        row("  one layer group's backward working set", at["working_set"]),
+        row("  largest transient (a2a buffers, scores)", at["transient"]),
+        row("  LM head and loss (alternative peak)", at["lm_head"]),
+        *(f"      one {kind} layer: {r['total'] / GB:.2f} GB ("
+          + ", ".join(f"{t} {v / GB:.2f}" for t, v in r.items() if t not in ("total", "transient"))
+          + ")" for kind, r in mem["per_layer_kind"].items()),
+        row("router biases", mem["router_biases"]),
+        row("total", mem["total"]),
+        row(f"device memory {mem['device'] / GB:.1f} GB, usable with {mem['headroom']:.0%} headroom", mem["usable"]),
     ]
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict} ({mem['total'] / GB:.1f} GB of {mem['usable'] / GB:.1f} GB usable, "
@@ -834,12 +959,11 @@ def format_plan(p: dict) -> str:
         lines.append(f"  fully replicated parameters: {p['replicated_bytes'] / GB:.3f} GB in all; largest:")
         for r in p["largest_replicated"]:
             lines.append(f"    {r['param']:<60} {r['bytes'] / GB:8.3f} GB")
-    lines += ["", "  collectives per step per device (estimate)     GB sent   axes                 seconds"]
+    lines += ["", f"    {'collectives per step per device (estimate)':<48}{'GB sent':>9}   {'axes':<20} {'seconds':>8}"]
     for r in p["collectives"]:
-        lines.append(f"    {r['what']:<42} {_gb(r['bytes'])}   {'+'.join(r['axes']):<20} {r['seconds']:8.3f}")
+        lines.append(f"    {r['what']:<48}{_gb(r['bytes'])}   {'+'.join(r['axes']):<20} {r['seconds']:8.3f}")
     lines += [
-        f"    total                                      {_gb(sum(r['bytes'] for r in p['collectives']))}"
-        f"   {'':<20} {t['comm_s']:8.3f}",
+        f"    {'total':<48}{_gb(sum(r['bytes'] for r in p['collectives']))}   {'':<20} {t['comm_s']:8.3f}",
         "",
         f"  compute (estimate): {t['flops_per_token'] / 1e9:.0f} GFLOP/token (6N + attention, k3.params 'full') x "
         f"{p['tokens_per_device_step']:,} tokens / tensor {p['mesh']['tensor']}"
@@ -861,32 +985,50 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_meshes(n_devices: int, n_experts: int, tensors=(1, 2, 4, 8)) -> list[dict[str, int]]:
-    """Meshes of ``n_devices`` over (data, fsdp, expert, context=1, tensor in ``tensors``) with expert
-    dividing ``n_experts``."""
+def candidate_meshes(n_devices: int, n_experts: int, tensors=(1, 2, 4, 8), contexts=(1,)) -> list[dict[str, int]]:
+    """Meshes of ``n_devices`` over (data, fsdp, expert, context in ``contexts``, tensor in
+    ``tensors``) with expert dividing ``n_experts``."""
     out = []
-    for tp in tensors:
-        if n_devices % tp:
-            continue
-        rest = n_devices // tp
-        for ep in _divisors(rest):
-            if n_experts % ep:
+    for cp in contexts:
+        for tp in tensors:
+            if n_devices % (tp * cp):
                 continue
-            for dp in _divisors(rest // ep):
-                out.append({"data": dp, "fsdp": rest // ep // dp, "expert": ep, "context": 1, "tensor": tp})
+            rest = n_devices // (tp * cp)
+            for ep in _divisors(rest):
+                if n_experts % ep:
+                    continue
+                for dp in _divisors(rest // ep):
+                    out.append({"data": dp, "fsdp": rest // ep // dp, "expert": ep, "context": cp, "tensor": tp})
     return out
+
+
+def context_fsdp_overrides(overrides: str = "") -> str:
+    """``overrides`` extended so that every parameter axis that FSDP shards is sharded over
+    ``context`` as well (ZeRO over the sequence-parallel devices too, which otherwise hold full
+    replicas of what FSDP splits); '' when the rules already do so."""
+    rules = dict(parse_rules(overrides))
+    extra = []
+    for name, axes in rules.items():
+        if name in ("batch", "seq") or name.startswith("act_"):
+            continue
+        if "fsdp" in axes and "context" not in axes:
+            extra.append(f"{name}={'+'.join(axes + ('context',))}")
+    if not extra:
+        return ""
+    return ",".join(filter(None, [overrides] + extra))
 
 
 def suggest(mdl: PlanInputs, n_devices: int, device: str, *, batch: int | None = None, seq: int | None = None,
             remat: bool | None = None, mfu: float = 0.4, headroom: float = 0.10,
-            capacity_factor: float | None = None) -> dict:
+            capacity_factor: float | None = None, contexts=(1,), rule_overrides: str | None = None) -> dict:
     """Plans every `candidate_meshes` mesh; returns {'fitting': plans ranked by tokens/s (serial
-    estimate), 'closest': the least over-full plans, 'skipped': meshes the batch does not divide}."""
+    estimate), 'closest': the least over-full plans, 'skipped': meshes the batch or sequence does
+    not divide, 'candidates': how many meshes were tried}."""
     plans, skipped = [], 0
-    for sizes in candidate_meshes(n_devices, mdl.cfg.model.moe.n_experts):
+    for sizes in candidate_meshes(n_devices, mdl.cfg.model.moe.n_experts, contexts=contexts):
         try:
             plans.append(plan(mdl, sizes, device, batch=batch, seq=seq, remat=remat, mfu=mfu,
-                              headroom=headroom, capacity_factor=capacity_factor))
+                              headroom=headroom, capacity_factor=capacity_factor, rule_overrides=rule_overrides))
         except PlanError:
             skipped += 1
     fitting = sorted((p for p in plans if p["fits"]), key=lambda p: -p["time"]["tokens_per_s"])
@@ -899,18 +1041,17 @@ def format_suggest(res: dict, n_devices: int, device: str, top: int, label: str 
     dev = DEVICES[device]
     fits = res["fitting"]
     head = (f"k3.plan --suggest: {n_devices} x {dev.description}{label}: {len(fits)} of {res['candidates']} "
-            f"meshes fit ({res['skipped']} skipped: batch not divisible)")
+            f"meshes fit ({res['skipped']} skipped: batch or sequence not divisible)")
     rows = fits[:top] if fits else res["closest"][:top]
     lines = [head, "  " + ("best by estimated throughput (no overlap):" if fits else
                            "NONE FITS; the least over-full meshes:")]
-    lines.append(f"    {'data':>5} {'fsdp':>5} {'expert':>6} {'tensor':>6}  {'batch':>6}  {'mem GB':>7} "
+    lines.append(f"    {'data':>5} {'fsdp':>5} {'expert':>6} {'context':>7} {'tensor':>6}  {'batch':>6}  {'mem GB':>7} "
                  f"{'of usable':>9}  {'step s':>7}  {'comm s':>7}  {'Mtok/s':>7}")
     for p in rows:
-        m = p["mesh"]
-        lines.append(f"    {m['data']:>5} {m['fsdp']:>5} {m['expert']:>6} {m['tensor']:>6}  {p['batch']:>6}  "
-                     f"{p['memory']['total'] / GB:7.1f} {p['memory']['total'] / p['memory']['usable']:9.0%}  "
-                     f"{p['time']['step_s_serial']:7.2f}  {p['time']['comm_s']:7.2f}  "
-                     f"{p['time']['tokens_per_s'] / 1e6:7.2f}")
+        m, mem, t = p["mesh"], p["memory"], p["time"]
+        lines.append(f"    {m['data']:>5} {m['fsdp']:>5} {m['expert']:>6} {m['context']:>7} {m['tensor']:>6}  "
+                     f"{p['batch']:>6}  {mem['total'] / GB:7.1f} {mem['total'] / mem['usable']:9.0%}  "
+                     f"{t['step_s_serial']:7.2f}  {t['comm_s']:7.2f}  {t['tokens_per_s'] / 1e6:7.2f}")
     if fits:
         b = fits[0]
         mesh = ",".join(f"{a}:{s}" for a, s in b["mesh"].items() if s > 1)
@@ -943,6 +1084,9 @@ def _define_flags():
     flags.DEFINE_float("suggest_capacity_factor", 1.25,
                        "with --suggest on a dropless config where nothing fits, search again at this "
                        "model.moe.capacity_factor (0 = never)")
+    flags.DEFINE_string("suggest_contexts", "2,4,8",
+                        "with --suggest, when no mesh with context=1 fits, search again with these context "
+                        "sizes too ('' = never)")
     flags.DEFINE_bool("json", False, "print JSON instead of the table")
     flags.mark_flags_as_required(["config"])
 
@@ -970,24 +1114,33 @@ def main(argv) -> None:
             if F.devices <= 0:
                 _fail("--suggest needs --devices=N")
             mdl = load_model(F.config)
-            res = suggest(mdl, F.devices, F.device, **kw)
-            out = {"settings": "config", "result": res}
-            text = format_suggest(res, F.devices, F.device, F.top)
-            cf = F.config.model.moe.capacity_factor
-            if not res["fitting"] and cf <= 0 and F.suggest_capacity_factor > 0:
-                res2 = suggest(mdl, F.devices, F.device, capacity_factor=F.suggest_capacity_factor, **kw)
-                text += "\n\n" + format_suggest(
-                    res2, F.devices, F.device, F.top,
-                    f", with --config.model.moe.capacity_factor={F.suggest_capacity_factor}")
-                out["capacity_factor_retry"] = {"capacity_factor": F.suggest_capacity_factor, "result": res2}
+            stages = [("", {})]
+            if F.config.model.moe.capacity_factor <= 0 and F.suggest_capacity_factor > 0:
+                stages.append((f", with --config.model.moe.capacity_factor={F.suggest_capacity_factor}",
+                               {"capacity_factor": F.suggest_capacity_factor}))
+            contexts = tuple(int(c) for c in F.suggest_contexts.split(",") if c.strip())
+            if contexts:
+                extra = dict(stages[-1][1], contexts=(1,) + contexts)
+                label = stages[-1][0] + f", context parallel in {{1,{','.join(map(str, contexts))}}}"
+                ro = context_fsdp_overrides(F.config.mesh.rule_overrides)
+                if ro:
+                    extra["rule_overrides"] = ro
+                    label += f" and --config.mesh.rule_overrides={ro}"
+                stages.append((label, extra))
+            texts, results = [], []
+            for label, extra in stages:
+                res = suggest(mdl, F.devices, F.device, **kw, **extra)
+                texts.append(format_suggest(res, F.devices, F.device, F.top, label))
+                results.append({"settings": label.lstrip(", ") or "config", "result": res})
+                if res["fitting"]:
+                    break
             if F.json:
-                for r in [out["result"]] + ([out["capacity_factor_retry"]["result"]]
-                                            if "capacity_factor_retry" in out else []):
-                    r["fitting"] = [_strip(p) for p in r["fitting"][:F.top]]
-                    r["closest"] = [_strip(p) for p in r["closest"][:F.top]]
-                print(json.dumps(out, indent=1))
+                for r in results:
+                    r["result"]["fitting"] = [_strip(p) for p in r["result"]["fitting"][:F.top]]
+                    r["result"]["closest"] = [_strip(p) for p in r["result"]["closest"][:F.top]]
+                print(json.dumps(results, indent=1))
             else:
-                print(text)
+                print("\n\n".join(texts))
             return
         if not F.mesh:
             _fail("pass --mesh=axis:size,... (or --suggest --devices=N)")
@@ -1006,5 +1159,6 @@ def _strip(p: dict) -> dict:
 if __name__ == "__main__":
     from absl import app
 
+    jax.config.update("jax_platforms", "cpu")  # shapes only: no accelerator is needed or touched
     _define_flags()
     app.run(main)

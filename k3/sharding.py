@@ -14,7 +14,8 @@ a preference, not a promise: a 97-token vocabulary stays replicated on a 2-way t
 
 Mesh axes (the config's ``mesh`` section; sizes, -1 fills the rest):
   data     pure data parallelism: batch split, parameters replicated
-  fsdp     batch split and parameters/optimizer state sharded (ZeRO-3: gathered at use)
+  fsdp     batch split and parameters/optimizer state sharded (ZeRO-3: gathered at use); the
+           context and expert axes shard the dense parameters the same way
   tensor   attention heads, MLP and expert hidden width, vocabulary
   expert   routed experts (tokens travel to them by all-to-all, `k3.expert_parallel`); the batch is
            split over it too, so dense layers see it as data parallelism
@@ -45,18 +46,20 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # parameters
     ("layers", ()),
     ("vocab", ("tensor",)),
-    ("embed", ("fsdp",)),
+    # Dense parameters are sharded over every axis that splits the tokens but not the parameter
+    # (ZeRO-3 over fsdp, then context and expert ranks), gathered at use.
+    ("embed", ("fsdp", "context", "expert")),
     ("heads", ("tensor",)),
     ("head_dim", ()),
     ("mlp", ("tensor",)),
-    ("q_lora", ("fsdp",)),
-    ("kv_lora", ("fsdp",)),
-    ("decay_rank", ()),
+    ("q_lora", ("fsdp", "context", "expert")),
+    ("kv_lora", ("fsdp", "context", "expert")),
+    ("decay_rank", ("fsdp", "context", "expert")),
     ("conv", ()),
     ("norm", ()),
     ("latent", ("tensor",)),
     ("experts", ("expert",)),
-    ("expert_embed", ("fsdp",)),
+    ("expert_embed", ("fsdp", "context")),
     ("expert_mlp", ("tensor",)),
 )
 

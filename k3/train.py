@@ -186,12 +186,14 @@ def make_run(cfg) -> tuple[Run, dict]:
         micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1),
                              batch)
 
-        def one(carry, mb):
+        def one(grad_sum, mb):
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, mb)
-            return carry, (loss, grads, aux)
+            # Summed in the carry: one gradient buffer whatever the number of micro-batches.
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux)
 
-        _, (losses, grads_A, aux_A) = jax.lax.scan(one, None, micro)
-        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_A)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grad_sum, (losses, aux_A) = jax.lax.scan(one, zeros, micro)
+        grads = jax.tree.map(lambda g: g / accum, grad_sum)
         stats = _combine_stats(aux_A["layer_stats"], cfg.model.moe.balancing)
         loads = jnp.sum(aux_A["expert_load"], axis=0)
         grad_norm = optax.global_norm(grads)
@@ -542,6 +544,11 @@ def load_for_inference(workdir: str | os.PathLike):
     except (json.JSONDecodeError, KeyError) as e:
         raise RunError(f"{run_file} is corrupt: {e}") from e
     validate(cfg)
+    sizes = [cfg.mesh[a] for a in sharding.MESH_AXES]
+    if -1 not in sizes and math.prod(sizes) > jax.device_count():
+        # Trained on a larger mesh than this machine has: the checkpoint restores onto one device.
+        for a in sharding.MESH_AXES:
+            cfg.mesh[a] = 1
     mngr = checkpoint_manager(cfg, workdir)
     if mngr.latest_step() is None:
         raise RunError(f"{workdir} has no complete checkpoint")

@@ -19,7 +19,7 @@ import pytest
 
 # Eight CPU devices for the mesh tests (data, fsdp, tensor, expert, context and mixed meshes).
 # Single-device tests run on device 0 as before.
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("K3_TEST_CPU_DEVICES", "8")))
 from flax import nnx
 
 from k3.config import default_config

@@ -28,6 +28,9 @@ from k3.data import (
 )
 from k3.data.corpus import _unit_hash
 
+# Module-level state (fixtures, references) is shared: keep this file on one test worker.
+pytestmark = pytest.mark.xdist_group("data")
+
 # Small but real: the first 40 stdlib files are ~0.6 MB of text, enough for a 384-token BPE.
 SMALL_DOCS = 40
 SMALL_VOCAB = 384

@@ -13,6 +13,9 @@ import pytest
 
 from test_train import ROOT, SMALL
 
+# Module-level state (fixtures, references) is shared: keep this file on one test worker.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.expert=2"]
 ARGS = [*SMALL, *MESH, "--config.data.batch_size=8", "--config.optim.grad_accum=1", "--config.steps=3",
         "--config.train.eval_every=3", "--config.train.ckpt_every=3"]
@@ -59,5 +62,11 @@ def test_two_processes_train_like_one(tmp_path):
     assert len(loss_1) == 3 and len(val_1) == 1
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
     np.testing.assert_allclose(val_2, val_1, rtol=1e-5)
-    # Both processes wrote their shards of one checkpoint, which a single process can read back.
+    # Both processes wrote their shards of one checkpoint, which one process on one device reads back.
     assert (multi / "checkpoints" / "3").is_dir()
+    proc = subprocess.run([sys.executable, "-m", "launch.eval", f"--workdir={multi}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["step"] == 3
+    np.testing.assert_allclose(result["val_loss"], val_2[-1], rtol=1e-5)

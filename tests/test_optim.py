@@ -15,6 +15,9 @@ from k3.config import default_config
 from k3.model import Model, cross_entropy
 from k3.params import abstract_model
 
+# Module-level state (fixtures, references) is shared: keep this file on one test worker.
+pytestmark = pytest.mark.xdist_group("optim")
+
 # XLA's CPU backend optimisations dominate these tests' runtime (the Muon update alone unrolls
 # Newton-Schulz for every matrix); the numbers do not need optimised code.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

@@ -186,6 +186,7 @@ def test_bad_arguments(kwargs, match):
         chunk_kda(q, k, v, g, beta[..., :1])
 
 
+@pytest.mark.slow
 def test_tiny_k3_same_loss_and_grads_with_pallas():
     """The whole model: KDA layers through the kernel give the reference's loss and gradients."""
     results = []

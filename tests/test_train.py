@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Module-level state (fixtures, references) is shared: keep this file on one test worker.
+pytestmark = pytest.mark.xdist_group("train")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A very small K3-style model and a small slice of the default corpus: fast to compile and run.
@@ -156,6 +159,7 @@ def test_corrupt_checkpoint_is_reported(finished_run, tmp_path):
     assert snapshot(workdir) == before
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step(tmp_path):
     workdir = tmp_path / "nan"
     out = launch("launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=6", "--config.optim.lr=1e30",

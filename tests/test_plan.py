@@ -1,0 +1,149 @@
+"""The memory/communication planner: per-device parameter and optimizer bytes against hand counts,
+and the command line on the full-size configs (abstract shapes only: nothing is allocated)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_model_cfg
+
+from k3 import plan as P
+from k3.config import default_config
+from k3.optim import param_dimension_numbers
+from k3.params import count_params
+
+# Module-level state (fixtures, references) is shared: keep this file on one test worker.
+pytestmark = pytest.mark.xdist_group("plan")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE = {a: 1 for a in P.MESH_AXES}
+
+
+def _cfg(**optim):
+    c = default_config()
+    c.model = tiny_model_cfg()
+    c.optim.update(optim)
+    return c
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return P.load_model(_cfg())
+
+
+def _hand_shards(axes, shape) -> int:
+    """fsdp:2, expert:2 by hand: the model-width-like axes take fsdp then expert (ZeRO over both),
+    the experts' width fsdp, the experts the expert axis; a mesh axis shards one dimension at most."""
+    n, free = 1, {"fsdp", "expert"}
+    for name, size in zip(axes, shape):
+        prefs = {"embed": ("fsdp", "expert"), "q_lora": ("fsdp", "expert"), "kv_lora": ("fsdp", "expert"),
+                 "decay_rank": ("fsdp", "expert"), "expert_embed": ("fsdp",), "experts": ("expert",)}.get(name, ())
+        taken = 1
+        for axis in prefs:
+            if axis in free and size % (taken * 2) == 0:
+                taken, n = taken * 2, n * 2
+                free.discard(axis)
+    return n
+
+
+def test_param_bytes_match_hand_count(tiny):
+    sh = P.plan_sharder(dict(ONE, fsdp=2, expert=2))
+    pb = P.param_bytes(tiny.infos, sh)
+    per = pb["per_param"]
+    # embedding [97, 32] (vocab, embed): 97 does not split, 32 does over fsdp x expert.
+    assert per["embed"] == 97 * 32 * 4 / 4
+    assert per["lm_head"] == 32 * 97 * 4 / 4
+    # routed experts [8, 16, 16] (experts, expert_embed, expert_mlp): expert x fsdp.
+    assert per["head_layers/0/ffn/w_gate"] == 8 * 16 * 16 * 4 / 4
+    # router [32, 8] (embed, experts): the width takes fsdp and expert, so the experts stay whole.
+    assert per["head_layers/0/ffn/router"] == 32 * 8 * 4 / 4
+    # norm gains stay whole; the KDA low-rank decay up-projection [8, 2, 8] splits its rank.
+    assert per["head_layers/0/attn_norm/weight"] == 32 * 4
+    assert per["head_layers/0/mixer/w_fb"] == 8 * 2 * 8 * 4 / 4
+    hand = sum(math.prod(p.shape) * 4 / _hand_shards(p.axes, p.shape) for p in tiny.infos)
+    assert pb["total"] == pytest.approx(hand, rel=1e-12)
+    assert pb["global"] == sum(math.prod(p.shape) * 4 for p in tiny.infos)
+
+
+def test_one_device_total_is_count_params(tiny):
+    pb = P.param_bytes(tiny.infos, P.plan_sharder(ONE))
+    assert pb["total"] == count_params(tiny.cfg.model)["total_params"] * 4
+    assert pb["replicated"] == []
+
+
+@pytest.mark.parametrize("mesh", [ONE, dict(ONE, fsdp=2, expert=2)])
+def test_optimizer_bytes_follow_muon_adamw_split(tiny, mesh):
+    sh = P.plan_sharder(mesh)
+    ob = P.optimizer_bytes(tiny.opt_leaves, tiny.infos, sh)
+    shards = dict(zip((p.name for p in tiny.infos), P.param_shards(tiny.infos, sh)))
+    muon = sum(p.nbytes / shards[p.name] for p in tiny.infos
+               if param_dimension_numbers(str(p.path[-1]), p.axes) is not None)
+    adam = sum(2 * p.nbytes / shards[p.name] for p in tiny.infos
+               if param_dimension_numbers(str(p.path[-1]), p.axes) is None)
+    assert ob["muon"] == pytest.approx(muon) and ob["adam"] == pytest.approx(adam)
+    assert ob["other"] < 64  # step counts and Newton-Schulz coefficients only
+    assert P.optimizer_bytes_by_rule(tiny.infos, "muon", sh) == pytest.approx(muon + adam)
+    kinds = {p.name: p.muon for p in tiny.infos}
+    assert kinds["head_layers/0/mixer/w_q"] and kinds["head_layers/0/ffn/w_gate"]
+    assert not kinds["embed"] and not kinds["head_layers/0/attn_norm/weight"]
+
+
+def test_adamw_keeps_two_moments_per_parameter():
+    mdl = P.load_model(_cfg(name="adamw"))
+    sh = P.plan_sharder(dict(ONE, fsdp=2))
+    ob = P.optimizer_bytes(mdl.opt_leaves, mdl.infos, sh)
+    params = P.param_bytes(mdl.infos, sh)["total"]
+    assert ob["muon"] == 0 and ob["adam"] == pytest.approx(2 * params)
+
+
+def test_plan_memory_and_remat(tiny):
+    full = P.plan(tiny, dict(ONE, fsdp=2, expert=2), "h200", batch=8, seq=64, remat=True)
+    none = P.plan(tiny, dict(ONE, fsdp=2, expert=2), "h200", batch=8, seq=64, remat=False)
+    mem = full["memory"]
+    assert mem["total"] == pytest.approx(mem["params"] + mem["optimizer"] + mem["gradients"]
+                                         + mem["activations"] + mem["router_biases"])
+    assert mem["gradients"] == mem["params"]
+    assert full["fits"] and full["micro_batch"] == 2
+    # The tiny model's 4 layers are unrolled (no scanned body), so remat changes nothing.
+    assert none["memory"]["activations"] == mem["activations"]
+    assert any("remat has no effect" in n for n in full["notes"])
+    assert {r["what"] for r in full["collectives"]} >= {"FSDP all-gather of parameters",
+                                                        "expert all-to-all (dispatch + return)"}
+
+
+def test_parse_mesh_errors():
+    assert P.parse_mesh("fsdp:-1,expert:2", devices=8) == dict(ONE, fsdp=4, expert=2)
+    for text, devices, message in [("fsdp:2,foo:2", None, "unknown mesh axis 'foo'"),
+                                   ("fsdp:x", None, "must be an integer"),
+                                   ("fsdp:-1", None, "--devices"),
+                                   ("fsdp:3,expert:2", 8, "multiply to 6"),
+                                   ("fsdp:2,fsdp:2", None, "twice")]:
+        with pytest.raises(P.PlanError, match=message):
+            P.parse_mesh(text, devices)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "k3.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_full_k3_on_512_h200s():
+    r = _cli("--config=experiments/configs/k3_full.py", "--mesh=fsdp:8,expert:64", "--device=h200", "--batch=512")
+    assert r.returncode == 0, r.stderr
+    assert "512 x NVIDIA H200" in r.stdout
+    assert "verdict: FITS" in r.stdout or "verdict: DOES NOT FIT" in r.stdout
+
+
+def test_cli_suggest_finds_a_mesh_for_1024_h200s():
+    r = _cli("--config=experiments/configs/k3_full.py", "--suggest", "--devices=1024", "--device=h200",
+             "--config.model.moe.capacity_factor=1.25", "--suggest_contexts=8", "--top=3")
+    assert r.returncode == 0, r.stderr
+    assert "suggested: --mesh=" in r.stdout and "FITS at" in r.stdout
+
+
+def test_cli_bad_mesh_exits_nonzero():
+    r = _cli("--config=experiments/configs/k3_tiny.py", "--mesh=fsdp:2,foo:2")
+    assert r.returncode != 0
+    assert "unknown mesh axis 'foo'" in r.stderr
