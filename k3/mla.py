@@ -5,7 +5,8 @@ q = W_qb RMSNorm(W_qa x)                               per head: [q_nope | q_rop
 o = W_o (sigmoid(W_g x) * softmax(q k^T * (nope + rope)^-0.5) v)   (gate only in K3)
 
 K2 rotates the rope parts with RoPE; K3 leaves them unrotated (NoPE). Attention runs through
-``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU, XLA elsewhere), causal and
+``jax.nn.dot_product_attention`` with its default implementation (XLA's, which keeps the
+[B, H, T, T] scores for the backward pass on every backend in JAX 0.10-0.11), causal and
 restricted to the query's own document when ``segment_ids`` are given.
 """
 

@@ -158,6 +158,19 @@ class Model(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
+    def _unrolled(self, layer: DecoderLayer, stream: dict, idx: int, segment_ids_BT):
+        """One layer outside the scanned body; with ``remat`` rematerialised on its own, as each
+        scanned group is (K3's dense first layer and extra last MLA layer would otherwise keep
+        every activation for the backward pass)."""
+        if not self.remat:
+            return layer(stream, idx, segment_ids_BT)
+        graphdef, state = nnx.split(layer)
+
+        def run(state, stream, segment_ids_BT):
+            return nnx.merge(graphdef, state)(stream, idx, segment_ids_BT)
+
+        return jax.checkpoint(run)(state, stream, segment_ids_BT)
+
     def hidden(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Final-normed hidden states [B, T, D] for int tokens [B, T], and the routing statistics.
 
@@ -169,7 +182,7 @@ class Model(nnx.Module):
         stream = attn_res.init_stream(emb, self.residual, self.n_slots)
         stats = {"head": [], "body": [], "tail": []}
         for i, layer in zip(self.head_idx, self.head_layers):
-            stream, st = layer(stream, i, segment_ids_BT)
+            stream, st = self._unrolled(layer, stream, i, segment_ids_BT)
             stats["head"].append(st)
         if self.body is not None:
             # Plain lax.scan over the stacked state: merging inside the step keeps every NNX
@@ -187,7 +200,7 @@ class Model(nnx.Module):
             (stream, _), stats["body"] = jax.lax.scan(
                 group_step, (stream, jnp.asarray(self.body_start, jnp.int32)), state)
         for i, layer in zip(self.tail_idx, self.tail_layers):
-            stream, st = layer(stream, i, segment_ids_BT)
+            stream, st = self._unrolled(layer, stream, i, segment_ids_BT)
             stats["tail"].append(st)
         h = attn_res.read(stream, self.out_mix)
         return self.final_norm(h), stats

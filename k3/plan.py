@@ -563,15 +563,15 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
     """Estimated peak activation bytes per device (an estimate: XLA's schedule decides the truth).
 
     Layer layout from `k3.model.plan_layers`: unrolled head layers, a scanned body of R repeats of a
-    G-layer group (rematerialised as one unit when ``remat``), unrolled tail layers.
-      carries      remat: R x the scan carry, saved per iteration: the stream [N, D] (plain) or the
-                   AttnRes bank plus partial sum [(slots + 1), N, D], compute dtype
-      kept layers  residuals (`layer_residual_bytes`) of every layer that is not rematerialised: the
-                   head and tail layers always, the body too without remat; without remat the
-                   gathered (compute-dtype) weights of those layers are residuals as well
-      working set  remat: the residuals of one body group during its backward (recomputed), plus the
-                   stream cotangents (2 carries) and one group's gathered weights and their
-                   unreduced gradients (FSDP gather buffers)
+    G-layer group (rematerialised as one unit when ``remat``), unrolled tail layers (each
+    rematerialised on its own when ``remat``).
+      carries      remat: (R + unrolled layers) x the saved layer input: the stream [N, D] (plain) or
+                   the AttnRes bank plus partial sum [(slots + 1), N, D], compute dtype
+      kept layers  without remat: the residuals (`layer_residual_bytes`) of every layer and their
+                   gathered (compute-dtype) weights
+      working set  remat: the residuals of one body group or one unrolled layer during its backward
+                   (recomputed), whichever is larger, plus the stream cotangents (2 carries) and one
+                   group's gathered weights and their unreduced gradients (FSDP gather buffers)
       transient    the largest single transient of any layer (all-to-all buffers, attention-score
                    gradients or QK-Clip logits)
       LM head      N V_l (a + 2 f): logits, fp32 log-softmax and its gradient, plus the gathered LM
@@ -587,19 +587,19 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
     res = [by_kind[kind] for kind in kinds]
     body_idx = list(range(start, start + period * repeats))
     unrolled = list(head) + list(tail)
-    remat = remat and repeats > 0
     if m.residual == "attn_res":
         carry = (n_bank_slots(m.n_layers, m.attn_res_block_size) + 1) * N * D * a
     else:
         carry = N * D * a
     out = {}
     if remat:
-        out["carries"] = repeats * carry
-        kept = unrolled
-        group = body_idx[:period]
-        out["working_set"] = (sum(res[i]["total"] for i in group) + 2 * carry
+        out["carries"] = (repeats + len(unrolled)) * carry
+        kept = []
+        group = sum(res[i]["total"] for i in body_idx[:period]) if repeats else 0.0
+        largest = max([group] + [res[i]["total"] for i in unrolled])
+        out["working_set"] = (largest + 2 * carry
                               + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"]))
-        out["kept_weights"] = sum(gather_bytes["unrolled"])
+        out["kept_weights"] = 0.0
     else:
         out["carries"] = 0.0
         kept = unrolled + body_idx
@@ -652,7 +652,7 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
       fsdp_gather    each parameter sharded over token axes G (data/fsdp/expert/context; not the
                      expert axis of routed experts, which the all-to-all serves) is all-gathered:
                      S = elems / (other shards) * a, sent S (g-1)/g; again in the backward for the
-                     rematerialised body (the embedding table's row lookup is counted the same way)
+                     rematerialised layers (the embedding table's row lookup is counted the same way)
       grad_rs        its gradient reduce-scatter over G: S (g-1)/g
       grad_ar        all-reduce over the token axes the parameter is replicated on (e.g. data):
                      2 S_shard (r-1)/r
@@ -674,7 +674,6 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
     m = cfg.model
     a = np.dtype(m.dtype).itemsize
     kinds_l, (head, (start, period, repeats), tail) = _layers(m)
-    remat = remat and repeats > 0
     sizes = sharder.mesh.shape
     rows: dict[tuple[str, tuple], float] = {}
     kinds: dict[str, str] = {}
@@ -688,7 +687,7 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
     comm = param_comm(infos, sharder, lay) if comm is None else comm
     grouped: dict[tuple, float] = {}  # (gather, keep, reduce, passes) -> elements
     for p, (gather, keep, reduce) in zip(infos, comm):
-        key = (gather, keep, reduce, 2 if (remat and p.region == "body") else 1)
+        key = (gather, keep, reduce, 2 if (remat and p.region != "top") else 1)
         grouped[key] = grouped.get(key, 0.0) + p.elems
     for (gather, keep, reduce, times), elems in grouped.items():
         g, r = _shards(sharder, gather), _shards(sharder, reduce)
@@ -698,7 +697,6 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
             add("gradient reduce-scatter", gather, acc * full * (g - 1) / g)
         if r > 1:
             add("gradient all-reduce (replicated axes)", reduce, acc * 2 * full / g * (r - 1) / r)
-    in_body = set(range(start, start + period * repeats))
     N, D = lay.tokens, m.d_model
     e = m.moe
     k, shared, latent = e.top_k, e.shared_dim, e.latent_dim
@@ -709,7 +707,7 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
         m.mla.qk_nope_dim + m.mla.qk_rope_dim + m.mla.v_head_dim) * a
     a2a = tensor = context = 0.0
     for i, (mixer, ffn) in enumerate(kinds_l):
-        passes = 3 if (remat and i in in_body) else 2  # forward, backward (+ recomputed forward)
+        passes = 3 if remat else 2  # forward, backward (+ recomputed forward)
         if ffn == "moe" and lay.P > 1:
             n_rows = lay.P * lay.C if lay.dispatch == "padded" else min(N * k, lay.P * lay.C)
             a2a += (2 * passes * n_rows * W * a + (passes - 1) * n_rows * 4) * (lay.P - 1) / lay.P
@@ -811,8 +809,6 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     remat = bool(m.remat) if remat is None else bool(remat)
     a = np.dtype(m.dtype).itemsize
     kinds, (_, (_, _, repeats), _) = _layers(m)
-    if remat and repeats == 0:
-        notes.append("remat has no effect: the model has no scanned layer body (model.scan_layers)")
 
     resolved = _resolve(mdl.infos, sh, lay.token_axes)
     shards = [r[0] for r in resolved]
@@ -846,11 +842,6 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         notes.append(f"dropless expert parallelism {what} C = N k = {lay.C:,} rows per source device "
                      f"(x {lay.P}); a capacity factor (model.moe.capacity_factor) shrinks the buffers by "
                      "about P / c")
-    if act["remat_effective"] and act["unrolled_layers"] and act["kept_layers"] > 0.2 * act["peak"]:
-        ids = act["unrolled_layers"]
-        which = f"layers {', '.join(map(str, ids))} lie" if len(ids) > 1 else f"layer {ids[0]} lies"
-        notes.append(f"{which} outside the scanned body (k3.model.plan_layers) and never rematerialised: "
-                     f"their residuals take {act['kept_layers'] / GB:.1f} GB")
     mla_scores = lay.micro * (m.mla.n_heads // lay.mla_heads_div) * lay.t * lay.seq * MLA_SCORE_BYTES
     if any(k == "mla" for k, _ in kinds) and mla_scores > 0.05 * dev.memory_bytes:
         notes.append("MLA attention is jax.nn.dot_product_attention without an implementation, i.e. XLA's "
@@ -939,7 +930,7 @@ def format_plan(p: dict) -> str:
                                                  f"AdamW moments {mem['optimizer_adam'] / GB:.2f})"),
         row("gradients", mem["gradients"]),
         row("activations (estimate)", mem["activations"]),
-        row("  saved scan carries (layer-group inputs)", at["carries"]),
+        row("  saved layer inputs (scan carries, unrolled)", at["carries"]),
         row("  unrematerialised layers' residuals", at["kept_layers"]),
         row("  their gathered weights", at["kept_weights"]),
         row("  one layer group's backward working set", at["working_set"]),

@@ -209,3 +209,22 @@ def test_tiny_k3_same_loss_and_grads_with_pallas():
     num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(flat_ref, flat_pl))
     den = sum(float(jnp.sum(a ** 2)) for a in flat_ref)
     assert (num / den) ** 0.5 < 1e-4
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, tensor=2), dict(context=4)])
+def test_kda_layer_with_pallas_on_a_mesh_equals_one_device(mesh):
+    """On a mesh the kernel runs per device under shard_map: batch and heads split, or the sequence
+    split with the state pairs composed across devices."""
+    import math
+
+    from k3 import sharding
+    from k3.kda import KDA
+
+    cfg = tiny_model_cfg(**{"kda.impl": "pallas"})
+    x = jax.random.normal(jax.random.key(0), (4, 40, 32))
+    seg = jnp.asarray(np.repeat([[0] * 15 + [1] * 25], 4, 0))
+    ref = KDA(cfg, rngs=nnx.Rngs(0))(x, seg)
+    sizes = {a: 1 for a in sharding.MESH_AXES} | mesh
+    sh = sharding.Sharder(sharding.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())]))
+    out = jax.jit(lambda x, s: KDA(cfg, rngs=nnx.Rngs(0), sharder=sh)(x, s))(x, seg)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
