@@ -73,12 +73,13 @@ def reference(style: str, optimizer: str = "muon"):
 
 
 # (mesh, optimizer, in the quick suite): Muon's Newton-Schulz on expert-sharded matrices, AdamW
-# elsewhere (a third of the compile time). The single-axis meshes
-# data, fsdp and expert are parts of the mixed one; they and the K2 variants run as slow tests.
+# elsewhere (a third of the compile time). The single-axis meshes data, fsdp and expert are parts
+# of the mixed one, and tensor splits are also checked per layer (test_expert_parallel,
+# test_context_parallel, test_pallas_kda); they and the K2 variants run as slow tests.
 MESHES = {
     "data": (dict(data=8), "adamw", False),
     "fsdp": (dict(fsdp=8), "adamw", False),
-    "tensor": (dict(tensor=2), "adamw", True),
+    "tensor": (dict(tensor=2), "adamw", False),
     "expert": (dict(expert=8), "muon", False),
     "context": (dict(context=4), "adamw", True),
     "mixed": (dict(data=2, fsdp=2, expert=2), "adamw", True),
