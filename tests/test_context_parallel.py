@@ -110,12 +110,14 @@ def test_kda_matches_unsplit(n_shards, impl, segments, seed):
     _compare(_split(mesh, impl), _unsplit(impl), seed, segments)
 
 
+@pytest.mark.slow
 def test_kda_one_token_per_shard():
     mesh = _mesh((8,), ("context",))
     segments = np.array([[0, 0, 0, 1, 1, 1, 1, 2], [3, 3, 3, 3, 3, 3, 3, 3]], np.int32)
     _compare(_split(mesh, "chunk"), _unsplit("chunk"), 4, segments, t=8)
 
 
+@pytest.mark.slow
 def test_kda_float64(x64):
     mesh = _mesh((4,), ("context",))
     _compare(_split(mesh, "chunk"), _unsplit("chunk"), 5, SEGMENTS, tol=1e-10, grad_tol=1e-10, dtype=jnp.float64)

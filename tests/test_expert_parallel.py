@@ -39,7 +39,8 @@ def _reference(h, idx, wts, ws):
 
 
 @pytest.mark.parametrize("dispatch", ["padded", "ragged_emulated"])
-@pytest.mark.parametrize("mesh", [dict(expert=4, data=2), dict(expert=2, tensor=2, fsdp=2), dict(expert=8)])
+@pytest.mark.parametrize("mesh", [dict(expert=4, data=2), dict(expert=2, tensor=2, fsdp=2),
+                                  pytest.param(dict(expert=8), marks=pytest.mark.slow)])
 def test_matches_dense_reference_with_gradients(mesh, dispatch):
     sh = _sharder(**mesh)
     h, idx, wts, ws = _inputs(1)

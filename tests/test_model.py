@@ -85,6 +85,7 @@ def test_scanned_and_unrolled_models_agree():
     np.testing.assert_allclose(forward(scanned, tokens)[0], forward(unrolled, tokens)[0], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_bf16_forward_close_to_fp32():
     cfg = tiny_model_cfg()
     model32 = Model(cfg, rngs=nnx.Rngs(6))

@@ -121,7 +121,7 @@ def test_bf16_intermediates_option(x64):
     _check(args, jnp.bfloat16, 6e-3, 1e-2, matmul_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("chunk_size", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_packed_documents_equal_separate_runs(x64, chunk_size):
     """Documents of lengths 1, 40, 23, 64, 22 in one row (boundaries inside and at chunk edges)."""
     rng = np.random.default_rng(chunk_size)
