@@ -29,13 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3.ffn import glu_activation
-from k3.sharding import Sharder
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+from k3.sharding import Sharder, spec_axes
 
 
 def _local_experts(x_MW, e_M, w_gate_EWF, w_up_EWF, w_down_EFW, activation, betas):
@@ -177,13 +171,13 @@ def routed_experts_sharded(sharder: Sharder, h_BTW, idx_BTk, weights_BTk, w_gate
     B, T, W = h_BTW.shape
     E = w_gate_EWF.shape[0]
     tok_spec = sharder.spec(("batch", "seq"), (B, T))
-    token_axes = _spec_axes(tok_spec[0]) + _spec_axes(tok_spec[1])
-    expert_axes = _spec_axes(sharder.spec(("experts",), (E,))[0])
+    token_axes = spec_axes(tok_spec[0]) + spec_axes(tok_spec[1])
+    expert_axes = spec_axes(sharder.spec(("experts",), (E,))[0])
     n_expert_shards = math.prod(sharder.size(a) for a in expert_axes)
     F = w_gate_EWF.shape[-1]
     # The hidden width may only be split over axes that do not split the tokens: every device of a
     # tensor group must hold the same tokens for the psum of partial down projections to be right.
-    f_axes = tuple(a for a in _spec_axes(sharder.spec(("experts", "expert_mlp"), (E, F))[1])
+    f_axes = tuple(a for a in spec_axes(sharder.spec(("experts", "expert_mlp"), (E, F))[1])
                    if a not in token_axes)
     e_entry = expert_axes if expert_axes else None
     f_entry = f_axes if f_axes else None

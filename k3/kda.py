@@ -20,7 +20,7 @@ from flax import nnx
 
 from k3.nn import cast, normal, ones, param, rms_norm, zeros
 from k3.ops.kda import kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
-from k3.sharding import Sharder
+from k3.sharding import Sharder, spec_axes
 
 
 def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -52,12 +52,6 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 def _a_log_softplus_init(key, shape, dtype=jnp.float32):
     """Kimi-Linear gate: A ~ U(1, 16), stored as log A."""
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class KDA(nnx.Module):
@@ -127,7 +121,7 @@ class KDA(nnx.Module):
 
             B, T, H, _ = q.shape
             o, state = kda_core_sharded(
-                sh.mesh, q, k, v, g, beta, segment_ids_BT, batch_axes=_axes(sh.spec(("batch",), (B,))[0]),
+                sh.mesh, q, k, v, g, beta, segment_ids_BT, batch_axes=spec_axes(sh.spec(("batch",), (B,))[0]),
                 head_axis=sh.spec(("act_heads",), (H,))[0], context_axis="context", **kwargs)
         else:
             o, state = kda_core(q, k, v, g, beta, segment_ids=segment_ids_BT, **kwargs)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.nn import RMSNorm, cast, normal, param
-from k3.sharding import Sharder
+from k3.sharding import Sharder, spec_axes
 
 
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
@@ -152,9 +152,8 @@ class MLA(nnx.Module):
             from k3.context_parallel import mla_attention_sharded
 
             B, T, H, _ = q.shape
-            batch = sh.spec(("batch",), (B,))[0]
             o = mla_attention_sharded(sh.mesh, q, k, v, segment_ids_BT, self.scale,
-                                      batch_axes=(batch,) if isinstance(batch, str) else tuple(batch or ()),
+                                      batch_axes=spec_axes(sh.spec(("batch",), (B,))[0]),
                                       head_axis=sh.spec(("act_heads",), (H,))[0], context_axis="context")
         else:
             o = attention(q, k, v, segment_ids_BT, self.scale)

@@ -56,7 +56,7 @@ from k3.attn_res import n_bank_slots
 from k3.config import layer_kinds, validate
 from k3.model import plan_layers
 from k3.params import abstract_model, count_params, flops_per_token
-from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules
+from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +156,6 @@ def parse_mesh(text: str, devices: int | None = None) -> dict[str, int]:
         raise PlanError(f"--mesh: {e}") from None
 
 
-def _spec_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _shards(sharder: Sharder, axes) -> int:
     return math.prod(sharder.size(a) for a in axes)
 
@@ -246,7 +240,7 @@ def param_infos(params_state, per_head: bool = False) -> list[ParamInfo]:
 
 def param_shard_axes(info: ParamInfo, sharder: Sharder) -> tuple[tuple[str, ...], ...]:
     """Per dimension, the mesh axes that shard it (the rules resolved with divisibility)."""
-    return tuple(_spec_axes(e) for e in sharder.spec(info.axes, info.shape))
+    return tuple(spec_axes(e) for e in sharder.spec(info.axes, info.shape))
 
 
 def param_shards(infos: list[ParamInfo], sharder: Sharder) -> list[int]:
@@ -398,7 +392,7 @@ class Layout:
 
 
 def _axes_shards(sharder, names, shape, dim) -> tuple[tuple[str, ...], int]:
-    axes = _spec_axes(sharder.spec(names, shape)[dim])
+    axes = spec_axes(sharder.spec(names, shape)[dim])
     return axes, _shards(sharder, axes)
 
 
@@ -420,10 +414,10 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
     if seq % sharder.size("context"):
         raise PlanError(f"--seq={seq} is not a multiple of context={sharder.size('context')}")
     spec = sharder.spec(("batch", "seq"), (micro_global, seq))
-    b_axes, c_axes = _spec_axes(spec[0]), _spec_axes(spec[1])
+    b_axes, c_axes = spec_axes(spec[0]), spec_axes(spec[1])
     E = m.moe.n_experts
     expert_axes, P = _axes_shards(sharder, ("experts",), (E,), 0)
-    f_axes = tuple(a for a in _spec_axes(sharder.spec(("experts", "expert_mlp"), (E, m.moe.expert_dim))[1])
+    f_axes = tuple(a for a in spec_axes(sharder.spec(("experts", "expert_mlp"), (E, m.moe.expert_dim))[1])
                    if a not in b_axes + c_axes)
     t = seq // _shards(sharder, c_axes)
     micro = micro_global // _shards(sharder, b_axes)

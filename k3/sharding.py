@@ -156,6 +156,13 @@ class Sharder:
         return NamedSharding(self.mesh, P())
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, an axis name or a tuple of them) as a tuple of axis names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None], sharder: Sharder | None) -> jax.Array:
     """``with_sharding_constraint`` by logical axes; the identity without a sharder (one device)."""
     if sharder is None:

@@ -116,18 +116,12 @@ def assert_laid_out_by_rules(run, state):
         assert arr.sharding.spec == want or arr.sharding.is_equivalent_to(NamedSharding(sharder.mesh, want), arr.ndim), \
             (jax.tree_util.keystr(path), arr.sharding.spec, want)
         shard_shape = arr.addressable_shards[0].data.shape
-        expected = tuple(d // math.prod(sharder.size(a) for a in sharding_axes(e))
+        expected = tuple(d // math.prod(sharder.size(a) for a in sharding.spec_axes(e))
                          for d, e in zip(arr.shape, tuple(want) + (None,) * (arr.ndim - len(want))))
         assert shard_shape == expected, (jax.tree_util.keystr(path), shard_shape, expected)
         n_sharded += shard_shape != arr.shape
     if any(sharder.size(a) > 1 for a in ("fsdp", "tensor", "expert")):
         assert n_sharded > 0
-
-
-def sharding_axes(entry):
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def test_expert_mesh_shards_experts_and_fsdp_shards_embed():
