@@ -82,7 +82,8 @@ def default_config() -> ConfigDict:
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
     o.lr = 3e-3
     o.adam_lr = 3e-3
-    o.schedule = "cosine"  # 'cosine' (warmup + cosine) or 'wsd' (warmup, stable, 1-sqrt cooldown)
+    o.schedule = "cosine"  # 'cosine' (warmup + cosine), 'wsd' (warmup, stable, 1-sqrt cooldown) or
+    # 'external' (the rate is the state's 'lr' scalar, set by the caller at each step)
     o.warmup_frac = 0.01
     o.warmup_steps = -1  # >= 0 overrides warmup_frac
     o.decay_frac = 0.2  # WSD cooldown fraction
@@ -143,7 +144,7 @@ _CHOICES = {
     "model.moe.balancing": ("quantile_hist", "quantile", "sign", "none"),
     "model.moe.ep_dispatch": ("auto", "padded", "ragged", "ragged_emulated"),
     "optim.name": ("muon", "adamw"),
-    "optim.schedule": ("cosine", "wsd"),
+    "optim.schedule": ("cosine", "wsd", "external"),
     "data.source": ("stdlib", "text_dir", "jsonl", "tokens"),
     "data.tokenizer": ("bpe", "byte"),
     "data.tokens_dtype": ("uint16", "uint32"),

@@ -72,6 +72,8 @@ def learning_rate_schedule(optim_cfg, total_steps: int, peak_lr: float | None = 
       'cosine': cosine decay from peak at t = W to peak * min_lr_ratio at t = total_steps;
       'wsd':    constant peak until t_c = total_steps - round(decay_frac * total_steps), then
                 lr(t) = lr_min + (peak - lr_min) * (1 - sqrt((t - t_c) / (total_steps - t_c))).
+    'external': the constant ``peak`` (no warmup): the caller scales the updates by its own rate at
+                run time (see `build_optimizer`).
     After total_steps the rate holds its final value (peak * min_lr_ratio, unless WSD has
     decay_frac = 0 and so no cooldown). The same shape serves the Muon and the Adam parameters:
     pass ``peak_lr=optim_cfg.adam_lr`` for the latter (the Muon schedule scaled by adam_lr / lr).
@@ -80,6 +82,8 @@ def learning_rate_schedule(optim_cfg, total_steps: int, peak_lr: float | None = 
     T = int(total_steps)
     if T <= 0:
         raise ValueError(f"total_steps must be > 0, got {total_steps}")
+    if optim_cfg.schedule == "external":
+        return optax.constant_schedule(peak)
     lr_min = peak * float(optim_cfg.min_lr_ratio)
     W = min(warmup_steps(optim_cfg, T), T)
     # (first step, schedule) per phase; optax.join_schedules feeds each phase the steps since its start.
@@ -268,6 +272,12 @@ def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransfo
     'adamw': ``optax.adamw`` at ``optim.lr`` for every parameter, same decay mask.
     Gradients are first clipped to global norm ``optim.clip_norm`` when it is > 0.
 
+    ``optim.schedule='external'``: the optimizer runs at a unit rate (Muon 1, Adam adam_lr / lr) and
+    the train step multiplies its updates by the state's ``lr`` scalar, which the caller sets at
+    every step. Every update term (Muon, Adam and both weight decays) is linear in the rate, so this
+    equals a schedule with that value, while one compiled step serves any schedule and peak (the
+    scaling-ladder runner's cooldown branches and learning-rate sweeps).
+
     ``params_state`` is the ``nnx.State`` of ``nnx.Param`` the optimizer will update (its
     structure and logical axes decide the per-parameter treatment). The returned ``tx`` takes
     that State form (see the module docstring); ``schedule(step)`` is the learning rate of the
@@ -275,10 +285,11 @@ def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransfo
     at ``schedule(step) * adam_lr / lr``.
     """
     o = cfg.optim
-    schedule = learning_rate_schedule(o, cfg.steps)
+    external = o.schedule == "external"
+    schedule = learning_rate_schedule(o, cfg.steps, peak_lr=1.0 if external else None)
     mask = weight_decay_mask(params_state)
     if o.name == "muon":
-        adam_schedule = learning_rate_schedule(o, cfg.steps, peak_lr=o.adam_lr)
+        adam_schedule = learning_rate_schedule(o, cfg.steps, peak_lr=o.adam_lr / o.lr if external else o.adam_lr)
         dims = muon_dimension_numbers(params_state, o.per_head_muon)
         core = optax.chain(
             optax.contrib.muon(

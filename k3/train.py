@@ -150,7 +150,8 @@ def _combine_stats(stats_A: Any, balancing: str) -> Any:
 def make_run(cfg) -> tuple[Run, dict]:
     """Builds the model, optimizer and jitted steps; returns (run, fresh state).
 
-    state = {'params', 'rest' (router biases), 'opt', 'step'}. On a multi-device mesh (``cfg.mesh``)
+    state = {'params', 'rest' (router biases), 'opt', 'step'}, plus 'lr' (float32 scalar, the rate
+    of the next step) when ``optim.schedule='external'``. On a multi-device mesh (``cfg.mesh``)
     the parameters, router biases and optimizer state are sharded by the logical-axis rules and the
     steps are compiled with those shardings in and out (the state is donated).
     """
@@ -170,8 +171,15 @@ def make_run(cfg) -> tuple[Run, dict]:
     else:
         opt = jax.jit(tx.init)(params)
     state = {"params": params, "rest": rest, "opt": opt, "step": jnp.zeros((), jnp.int32)}
+    external_lr = cfg.optim.schedule == "external"
+    if external_lr:  # the rate the caller sets before each step (optim.schedule='external')
+        state["lr"] = jnp.asarray(cfg.optim.lr, jnp.float32)
+        if sharder is not None:
+            state_sh["lr"] = sharder.replicated()
     if sharder is not None:
         state["step"] = jax.device_put(state["step"], sharder.replicated())
+        if external_lr:
+            state["lr"] = jax.device_put(state["lr"], sharder.replicated())
     accum = cfg.optim.grad_accum
 
     def loss_fn(params, rest, batch):
@@ -198,6 +206,8 @@ def make_run(cfg) -> tuple[Run, dict]:
         loads = jnp.sum(aux_A["expert_load"], axis=0)
         grad_norm = optax.global_norm(grads)
         updates, opt = tx.update(grads, state["opt"], params)
+        if external_lr:
+            updates = jax.tree.map(lambda u: (u * state["lr"]).astype(u.dtype), updates)
         params = optax.apply_updates(params, updates)
         model = nnx.merge(graphdef, params, rest)
         n_tokens = batch["inputs"].size
@@ -207,9 +217,13 @@ def make_run(cfg) -> tuple[Run, dict]:
         _, params, rest = nnx.split(model, nnx.Param, ...)
         imbalance = (jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-9)
                      if loads.size else jnp.zeros((0,)))
-        metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm, "lr": schedule(state["step"]),
+        lr = state["lr"] if external_lr else schedule(state["step"])
+        metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm, "lr": lr,
                    "expert_imbalance": imbalance, "dropped_routes": _dropped(stats)}
-        return {"params": params, "rest": rest, "opt": opt, "step": state["step"] + 1}, metrics
+        new_state = {"params": params, "rest": rest, "opt": opt, "step": state["step"] + 1}
+        if external_lr:
+            new_state["lr"] = state["lr"]
+        return new_state, metrics
 
     def eval_step(state, batch):
         model = nnx.merge(graphdef, state["params"], state["rest"])

@@ -1,0 +1,537 @@
+"""Scaling-ladder runner: trains every (arm, size) of a ladder with WSD cooldown branches.
+
+    python -m experiments.run_ladder --ladder=experiments/configs/ladder_h200.py --out=DIR \
+        [--arms=k2,k3] [--sizes=64x4,96x4] [--jobs=main,seeds,sweep] [--deadline_s=540] [--dry_run]
+
+A ladder file (see `default_ladder` for every knob) names the arms (`experiments.configs.ladder`),
+the sizes (``d_model x n_layers``), the data and the one learning-rate rule shared by all arms.
+Each run trains warmup -> constant learning rate -> a (1 - sqrt) cooldown to zero over the last
+``decay_frac`` of its tokens D; a main run also branches off its stable phase at ``b * D`` with a
+cooldown ending at ``e * D`` (``branches='0.4:0.5'``), so one run yields several (N, D, loss)
+points at the price of the branch cooldowns. Every point is one JSON line appended to
+``DIR/points.jsonl``: arm, size, seed, learning rate, parameters, tokens, FLOPs under both
+conventions (``6N`` and ``full``, `k3.params`), held-out loss in nats/token and bits/byte, wall
+time, device and the config hash.
+
+Resumable: a point already in ``DIR/points*.jsonl`` is not recomputed; a run killed midway
+restarts from its last checkpoint (``DIR/runs/<run_id>/checkpoints``; deleted once the run's points
+are all written). Files copied in from other machines (``points_*.jsonl``) count as done too, so
+results of several GPU jobs merge in one directory.
+
+One compiled step per (arm, size): the learning rate is a run-time scalar (``optim.schedule=
+'external'``), so branches, seeds and learning-rate multipliers reuse it (and the persistent
+compilation cache, ``--compile_cache``, carries it across processes).
+
+Jobs: 'main' (seed 0, the rule's learning rate, with branches), 'seeds' (``extra_seeds`` at the
+``seed_sizes`` smallest sizes: the noise estimate), 'sweep' (``lr_sweep`` multipliers at the
+``sweep_sizes`` smallest sizes, per arm: a check of the shared rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import ml_collections
+
+from experiments.configs.ladder import ARMS, arm_config
+
+ConfigDict = ml_collections.ConfigDict
+
+
+class LadderError(ValueError):
+    """The ladder file, the filters or the output directory are unusable."""
+
+
+def default_ladder() -> ConfigDict:
+    """Every ladder knob with its default; ladder files start from this and change values."""
+    c = ConfigDict()
+    c.name = "ladder"
+    c.arms = "k2,k3"  # see experiments.configs.ladder.ARMS
+    c.baseline = "k2"
+    c.sizes = "64x4,96x4,128x4"  # d_model x n_layers, smallest first
+    c.tokens_per_param = 20.0  # D = tokens_per_param * non-embedding active params of the arm's rung
+    c.min_steps = 20
+    c.seq_len = 512
+    c.batch_size = 32
+    # One learning-rate rule for every arm: lr = lr_coef * C ** lr_exp, C = 6 N D in FLOPs (the
+    # DeepSeek LLM fit, 0.3118 C^-0.125); Muon's updates are RMS-matched to AdamW's so one rate
+    # serves both parameter groups (times adam_lr_ratio for the AdamW group).
+    c.lr_coef = 0.3118
+    c.lr_exp = -0.125
+    c.adam_lr_ratio = 1.0
+    c.warmup_frac = 0.02
+    c.decay_frac = 0.2  # cooldown share of each trajectory
+    c.min_lr_ratio = 0.0
+    c.branches = "0.4:0.5"  # 'b:e,...': cooldown branches off the stable phase, fractions of D
+    c.extra_seeds = "1,2"
+    c.seed_sizes = 2
+    c.lr_sweep = "0.5,2.0"
+    c.sweep_sizes = 2
+    c.data_seed = 0  # one data order for every run (seeds change the initialisation only)
+    c.eval_batches = 0  # held-out batches per evaluation; 0 = the whole validation split
+    c.ckpt_every = 0.1  # checkpoint every this fraction of a run's steps
+    c.overrides = ""  # 'key=value,...' applied to every run's config, e.g. 'model.dtype=bfloat16'
+    d = c.data = ConfigDict()
+    d.source = "stdlib"
+    d.path = ""
+    d.tokenizer = "byte"
+    d.vocab_size = 264  # model vocabulary (>= the tokenizer's)
+    d.val_fraction = 0.05
+    d.max_docs = 0
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan: which runs, their configs and schedules
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    try:
+        d, layers = size.lower().split("x")
+        return int(d), int(layers)
+    except ValueError:
+        raise LadderError(f"size {size!r} is not 'D_MODELxN_LAYERS' (e.g. 128x4)") from None
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LadderError(f"{what}={text!r} is not a comma-separated list of numbers") from None
+
+
+def parse_branches(text: str) -> list[tuple[float, float]]:
+    out = []
+    for part in (p for p in text.split(",") if p.strip()):
+        try:
+            b, e = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise LadderError(f"branch {part!r} is not 'start:end' (fractions of the run's tokens)") from None
+        if not 0 < b < e < 1:
+            raise LadderError(f"branch {part!r} needs 0 < start < end < 1")
+        out.append((b, e))
+    return sorted(out)
+
+
+def _set_key(cfg, key: str, text: str) -> None:
+    node = cfg
+    *parents, leaf = key.split(".")
+    try:
+        for p in parents:
+            node = node[p]
+        old = node[leaf]
+    except KeyError:
+        raise LadderError(f"override {key}={text}: no such config key") from None
+    if isinstance(old, bool):
+        val = {"true": True, "false": False}.get(text.lower())
+        if val is None:
+            raise LadderError(f"override {key}={text}: expected true or false")
+    else:
+        try:
+            val = type(old)(text)
+        except ValueError:
+            raise LadderError(f"override {key}={text}: expected {type(old).__name__}") from None
+    node[leaf] = val
+
+
+def run_config(ladder, arm: str, size: str, seed: int = 0):
+    """The full training config of one run (learning rate set per step by the runner)."""
+    from k3.config import ConfigError, validate
+
+    d_model, n_layers = parse_size(size)
+    try:
+        cfg = arm_config(arm, d_model, n_layers)
+    except ValueError as e:
+        raise LadderError(str(e)) from None
+    cfg.name = f"{ladder.name}_{arm}_{size}"
+    cfg.seed = int(seed)
+    cfg.model.vocab_size = int(ladder.data.vocab_size)
+    for key in ("source", "path", "tokenizer", "val_fraction", "max_docs"):
+        cfg.data[key] = ladder.data[key]
+    cfg.data.seq_len, cfg.data.batch_size = int(ladder.seq_len), int(ladder.batch_size)
+    cfg.optim.schedule = "external"
+    cfg.train.progress = False
+    for item in (p for p in ladder.overrides.split(",") if p.strip()):
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise LadderError(f"override {item!r} is not key=value")
+        _set_key(cfg, key.strip(), val.strip())
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise LadderError(f"run {arm} {size}: {e}") from None
+    return cfg
+
+
+def schedule_lr(t: int, peak: float, warmup: int, cool_start: int, end: int, min_ratio: float) -> float:
+    """Learning rate of step t (0-based) of a trajectory: linear warmup, constant, (1 - sqrt) cooldown
+    from ``cool_start`` to ``end`` (reaching ``min_ratio * peak`` after the last step)."""
+    if t < warmup:
+        return peak * (t + 1) / (warmup + 1)
+    if t < cool_start:
+        return peak
+    lo = peak * min_ratio
+    frac = min(1.0, (t - cool_start + 1) / max(end - cool_start, 1))
+    return lo + (peak - lo) * (1.0 - math.sqrt(frac))
+
+
+def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) -> list[dict]:
+    """The ladder's runs, in training order: main runs size by size (all arms at a size before the
+    next size), then the seed repeats, then the learning-rate sweep."""
+    from k3.params import count_params, flops_per_token
+
+    all_arms = [a.strip() for a in ladder.arms.split(",") if a.strip()]
+    all_sizes = [s.strip() for s in ladder.sizes.split(",") if s.strip()]
+    for a in all_arms:
+        if a not in ARMS:
+            raise LadderError(f"ladder arm {a!r} unknown; expected one of {', '.join(ARMS)}")
+    for name, given, known in (("arm", arms, all_arms), ("size", sizes, all_sizes)):
+        for x in given or []:
+            if x not in known:
+                raise LadderError(f"--{name}s: {x!r} is not in the ladder's {name}s ({', '.join(known)})")
+    for j in jobs:
+        if j not in ("main", "seeds", "sweep"):
+            raise LadderError(f"--jobs: unknown job {j!r}; expected main, seeds, sweep")
+    arms = [a for a in all_arms if not arms or a in arms]
+    size_order = sorted(all_sizes, key=lambda s: parse_size(s))
+    branches = parse_branches(ladder.branches)
+    if branches and branches[-1][0] >= 1 - ladder.decay_frac:
+        raise LadderError("every branch must start before the main run's cooldown (start < 1 - decay_frac)")
+    tokens_per_step = ladder.seq_len * ladder.batch_size
+
+    def make(arm, size, seed, lr_mult, with_branches):
+        cfg = run_config(ladder, arm, size, seed)
+        counts = count_params(cfg.model)
+        n = counts["non_embedding_active_params"]
+        steps = max(int(ladder.min_steps), round(ladder.tokens_per_param * n / tokens_per_step))
+        tokens = steps * tokens_per_step
+        lr = float(ladder.lr_coef * (6.0 * n * tokens) ** ladder.lr_exp)
+        lr_tag = f"{lr_mult:g}".replace(".", "p")
+        return {"run_id": f"{arm}-{size}-s{seed}-lr{lr_tag}", "arm": arm, "size": size, "seed": seed,
+                "lr_mult": lr_mult, "lr": lr * lr_mult, "steps": steps, "tokens": tokens, "counts": counts,
+                "flops_per_token": flops_per_token(cfg.model, ladder.seq_len, counts),
+                "branches": branches if with_branches else [], "cfg": cfg}
+
+    runs = []
+    if "main" in jobs:
+        runs += [make(a, s, 0, 1.0, True) for s in size_order if not sizes or s in sizes for a in arms]
+    small = size_order[:int(ladder.seed_sizes)]
+    if "seeds" in jobs:
+        seeds = [int(x) for x in _floats(ladder.extra_seeds, "extra_seeds")]
+        runs += [make(a, s, sd, 1.0, False) for s in small if not sizes or s in sizes for a in arms for sd in seeds]
+    if "sweep" in jobs:
+        mults = _floats(ladder.lr_sweep, "lr_sweep")
+        runs += [make(a, s, 0, m, False) for s in size_order[:int(ladder.sweep_sizes)]
+                 if not sizes or s in sizes for a in arms for m in mults]
+    return runs
+
+
+def config_hash(run: dict, ladder) -> str:
+    """Hash of everything that defines a run's results: model, data, optimizer, seed, schedule."""
+    from k3.train import run_identity
+
+    ident = {"run": run_identity(run["cfg"]), "steps": run["steps"], "lr": run["lr"],
+             "schedule": {k: ladder[k] for k in ("warmup_frac", "decay_frac", "min_lr_ratio", "data_seed")},
+             "branches": run["branches"]}
+    return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Results files
+
+
+def load_done(out: Path) -> set[tuple[str, str]]:
+    """(run_id, point) pairs already recorded in ``out/points*.jsonl``."""
+    done = set()
+    for path in sorted(out.glob("points*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill: the point is recomputed
+                done.add((rec["run_id"], rec["point"]))
+    return done
+
+
+def _append(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def point_names(run: dict) -> list[str]:
+    return [f"branch_{e:g}" for _, e in run["branches"]] + ["final"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training one run
+
+
+class _Kill(Exception):
+    pass
+
+
+def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[int] | None = None) -> list[dict]:
+    """Trains one run (resuming from its checkpoints) and appends its missing points; returns them."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3.data.pipeline import TrainIterator, ValSource
+    from k3.train import (abstract_like, checkpoint_manager, device_peak_flops, evaluate, make_run,
+                          restore_checkpoint, save_checkpoint, to_host)
+
+    cfg = run["cfg"]
+    S = run["steps"]
+    warmup = max(1, round(ladder.warmup_frac * S))
+    main_cool = S - max(1, round(ladder.decay_frac * S))
+    rundir = out / "runs" / run["run_id"]
+    rundir.mkdir(parents=True, exist_ok=True)
+    chash = config_hash(run, ladder)
+    stamp = rundir / "config_hash"
+    if stamp.exists() and stamp.read_text().strip() != chash:
+        # Checkpoints of another definition of this run (ladder file changed): start over.
+        shutil.rmtree(rundir / "checkpoints", ignore_errors=True)
+    stamp.write_text(chash)
+
+    t0 = time.perf_counter()
+    job, state = make_run(cfg)
+    train_iter = TrainIterator(data.train, ladder.seq_len, ladder.batch_size, ladder.data_seed)
+    v = data.meta["val"]
+    val = ValSource(data.val, ladder.seq_len, ladder.batch_size, v.get("num_bytes"), v.get("num_text_tokens"))
+    n_val = ladder.eval_batches or val.batches_per_pass
+    cfg.train.keep_ckpts = 10_000  # branch starts must survive; the directory goes when the run is done
+    cfg.train.async_ckpt = False
+    mngr = checkpoint_manager(cfg, rundir)
+    ckpt_every = max(1, round(ladder.ckpt_every * S))
+    keep_steps = {round(b * S) for b, _ in run["branches"]}
+    timing = [0.0, 0]  # seconds and steps of training (compilation and evaluation left out)
+    last_loss = [float("nan")]
+
+    def restore(step=None):
+        st, meta = restore_checkpoint(mngr, abstract_like(state), step)
+        train_iter.set_state(meta["data"])
+        return st
+
+    def advance(st, start, stop, cool_start, end, save):
+        """Steps [start, stop) of a trajectory whose cooldown runs from cool_start to end."""
+        pending = []  # device losses: read back in groups so the host does not wait on every step
+
+        def check():
+            for i, x in pending:
+                loss = float(to_host(x))
+                if not math.isfinite(loss):
+                    raise LadderError(f"run {run['run_id']}: loss is {loss} at step {i + 1}")
+                last_loss[0] = loss
+            pending.clear()
+
+        for t in range(start, stop):
+            t1 = time.perf_counter()
+            st["lr"] = jnp.asarray(schedule_lr(t, run["lr"], warmup, cool_start, end, ladder.min_lr_ratio),
+                                   jnp.float32)
+            st, m = job.train_step(st, job.put_batch(next(train_iter)))
+            pending.append((t, m["loss"]))
+            save_now = save and ((t + 1) % ckpt_every == 0 or (t + 1) in keep_steps)
+            if len(pending) >= 20 or save_now or t == stop - 1:
+                check()
+            if t > 0:  # the first step of a process compiles
+                timing[0] += time.perf_counter() - t1
+                timing[1] += 1
+            if kill_after is not None:
+                kill_after[0] -= 1
+                if kill_after[0] <= 0:
+                    check()
+                    raise _Kill
+            if save_now:
+                save_checkpoint(mngr, st, train_iter.get_state(), cfg)
+        return st
+
+    def record(st, name, tokens_done, is_final):
+        ev = evaluate(job, st, val, n_val)
+        n = run["counts"]["non_embedding_active_params"]
+        fpt = run["flops_per_token"]
+        tps = ladder.seq_len * ladder.batch_size * timing[1] / timing[0] if timing[1] > 2 else None
+        peak = device_peak_flops()
+        rec = {"arm": run["arm"], "size": run["size"], "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
+               "seed": run["seed"], "lr_mult": run["lr_mult"], "lr": run["lr"], "run_id": run["run_id"],
+               "point": name, "is_final": is_final, "tokens": tokens_done, "steps": tokens_done // (
+                   ladder.seq_len * ladder.batch_size),
+               "tokens_per_param": tokens_done / n, "epochs": tokens_done / data.train.num_tokens,
+               "params_non_embedding_active": n, "params_active": run["counts"]["active_params"],
+               "params_total": run["counts"]["total_params"],
+               "flops_6N": fpt["6N"] * tokens_done, "flops_full": fpt["full"] * tokens_done,
+               "val_loss": ev["val_loss"], "val_bits_per_byte": ev["val_bits_per_byte"],
+               "val_tokens": ev["val_tokens"], "train_loss": last_loss[0],
+               "wall_s": time.perf_counter() - t0, "tokens_per_s": tps,
+               "mfu_full": tps * fpt["full"] / peak if tps and peak else None,
+               "config_hash": chash, "device": jax.devices()[0].device_kind,
+               "ladder": ladder.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _append(out / "points.jsonl", rec)
+        done.add((run["run_id"], name))
+        print(f"  {run['run_id']:<28} {name:<11} D={tokens_done:>11,} val={ev['val_loss']:.4f} nats "
+              f"({ev['val_bits_per_byte'] or float('nan'):.4f} bpb) {rec['wall_s']:.0f}s"
+              + (f" {tps:,.0f} tok/s" if tps else ""), flush=True)
+        return rec
+
+    written = []
+    try:
+        if mngr.latest_step() is not None:
+            state = restore()
+        step = int(to_host(state["step"]))
+        for b, e in run["branches"]:
+            name = f"branch_{e:g}"
+            if (run["run_id"], name) in done:
+                continue
+            bs, es = round(b * S), round(e * S)
+            if step < bs:
+                state = advance(state, step, bs, main_cool, S, save=True)
+                step = bs
+            elif step > bs:
+                state = restore(bs)
+            main_state = jax.tree.map(jnp.copy, state)  # train_step donates its input
+            data_pos = train_iter.get_state()
+            branch = advance(state, bs, es, bs, es, save=False)
+            written.append(record(branch, name, es * ladder.seq_len * ladder.batch_size, False))
+            del branch
+            if step > bs:
+                state = restore()
+            else:
+                state = main_state
+                train_iter.set_state(data_pos)
+        if (run["run_id"], "final") not in done:
+            state = advance(state, step, S, main_cool, S, save=True)
+            written.append(record(state, "final", S * ladder.seq_len * ladder.batch_size, True))
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
+    if all((run["run_id"], p) in done for p in point_names(run)):
+        shutil.rmtree(rundir, ignore_errors=True)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def load_ladder(path: str) -> ConfigDict:
+    """The ladder ConfigDict of a ladder file (``get_config()``), checked against `default_ladder`."""
+    import importlib.util
+
+    file, _, arg = path.partition(":")
+    if not Path(file).is_file():
+        raise LadderError(f"--ladder {file}: no such file")
+    spec = importlib.util.spec_from_file_location("_ladder_file", file)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        raise LadderError(f"--ladder {file} cannot be loaded: {type(e).__name__}: {e}") from None
+    if not hasattr(mod, "get_config"):
+        raise LadderError(f"--ladder {file} defines no get_config()")
+    lad = mod.get_config(arg) if arg else mod.get_config()
+    known = default_ladder()
+    _check_keys(lad, known, "")
+    return lad
+
+
+def _check_keys(given, schema, prefix):
+    for key, val in given.items():
+        if key not in schema:
+            raise LadderError(f"unknown ladder key {prefix}{key}")
+        if isinstance(val, (ConfigDict, dict)):
+            _check_keys(val, schema[key], f"{prefix}{key}.")
+    missing = [k for k in schema if k not in given]
+    if missing:
+        raise LadderError(f"missing ladder key(s) {', '.join(prefix + k for k in missing)}")
+
+
+def _csv(text):
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ladder", required=True, help="ladder file (get_config() from default_ladder())")
+    p.add_argument("--out", required=True, help="results directory (points.jsonl, runs/, data/)")
+    p.add_argument("--arms", default="", help="comma-separated subset of the ladder's arms")
+    p.add_argument("--sizes", default="", help="comma-separated subset of the ladder's sizes")
+    p.add_argument("--jobs", default="main,seeds,sweep")
+    p.add_argument("--set", default="", help="ladder overrides 'key=value,...' (e.g. tokens_per_param=10)")
+    p.add_argument("--deadline_s", type=float, default=0, help="start no new run after this many seconds")
+    p.add_argument("--compile_cache", default="", help="persistent XLA compilation cache directory")
+    p.add_argument("--dry_run", action="store_true", help="print the plan and exit")
+    p.add_argument("--kill_after_steps", type=int, default=0, help=argparse.SUPPRESS)  # tests: a hard kill
+    a = p.parse_args(argv)
+    t_start = time.perf_counter()
+    try:
+        ladder = load_ladder(a.ladder)
+        for item in _csv(a.set) or []:
+            key, sep, val = item.partition("=")
+            if not sep:
+                raise LadderError(f"--set {item!r} is not key=value")
+            _set_key(ladder, key, val)
+        runs = plan_runs(ladder, _csv(a.arms), _csv(a.sizes), _csv(a.jobs))
+    except LadderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out} exists and is not a directory", file=sys.stderr)
+        return 2
+    done = load_done(out) if out.exists() else set()
+    todo = [r for r in runs if any((r["run_id"], n) not in done for n in point_names(r))]
+    print(f"ladder {ladder.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to train")
+    print(f"{'run':<28}{'N (non-emb act)':>16}{'steps':>8}{'tokens':>13}{'6ND':>10}{'full':>10}{'lr':>9}  points")
+    for r in runs:
+        n = r["counts"]["non_embedding_active_params"]
+        print(f"{r['run_id']:<28}{n:>16,}{r['steps']:>8}{r['tokens']:>13,}{6 * n * r['tokens']:>10.2e}"
+              f"{r['flops_per_token']['full'] * r['tokens']:>10.2e}{r['lr']:>9.2e}  "
+              + ",".join(("*" if (r['run_id'], x) in done else "") + x for x in point_names(r)))
+    if a.dry_run or not todo:
+        return 0
+    if a.compile_cache:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", a.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    from k3.data import DataError
+    from k3.data.pipeline import prepare_data
+    from k3.train import RunError
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        data = prepare_data(todo[0]["cfg"], out / "data")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if data.tokenizer.vocab_size > ladder.data.vocab_size:
+        print(f"error: the tokenizer has {data.tokenizer.vocab_size} tokens but data.vocab_size is "
+              f"{ladder.data.vocab_size}", file=sys.stderr)
+        return 2
+    kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
+    for r in todo:
+        if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
+            print(f"deadline: {a.deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
+            break
+        print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e}", flush=True)
+        try:
+            train_run(r, ladder, data, out, done, kill)
+        except _Kill:
+            os._exit(137)  # as a SIGKILL would: no cleanup, no flush beyond what is on disk
+        except (LadderError, RunError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

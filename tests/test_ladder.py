@@ -1,0 +1,235 @@
+"""The scaling-ladder runner: plan, schedules, the run-time learning rate, resume after a kill."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import run_ladder as rl
+from k3.config import default_config
+from tests.conftest import tiny_model_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = "experiments/configs/ladder_micro.py"
+
+
+def _cli(*args, timeout=900):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "experiments.run_ladder", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _points(out):
+    recs = [json.loads(x) for x in (Path(out) / "points.jsonl").read_text().splitlines() if x.strip()]
+    return {(r["run_id"], r["point"]): r for r in recs}
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules and plan
+
+
+def test_schedule_warmup_stable_sqrt_cooldown():
+    peak, W, c, E = 2.0, 4, 10, 20
+    lrs = [rl.schedule_lr(t, peak, W, c, E, 0.0) for t in range(E)]
+    np.testing.assert_allclose(lrs[:W], [peak * (t + 1) / (W + 1) for t in range(W)])
+    assert lrs[W:c] == [peak] * (c - W)
+    for t in range(c, E):
+        assert lrs[t] == pytest.approx(peak * (1 - math.sqrt((t - c + 1) / (E - c))))
+    assert lrs[-1] == 0.0
+    assert all(a >= b for a, b in zip(lrs[c - 1:], lrs[c:]))
+    # A branch shares the stable phase of the main trajectory up to its start.
+    S = 100
+    main = [rl.schedule_lr(t, 1.0, 2, 80, S, 0.1) for t in range(S)]
+    branch = [rl.schedule_lr(t, 1.0, 2, 40, 50, 0.1) for t in range(50)]
+    assert main[:40] == branch[:40]
+    assert branch[-1] == pytest.approx(0.1)
+
+
+def test_plan_micro_ladder_order_ids_and_tokens():
+    lad = rl.load_ladder(MICRO)
+    runs = rl.plan_runs(lad)
+    ids = [r["run_id"] for r in runs]
+    assert ids[:6] == ["k2-32x2-s0-lr1", "k3-32x2-s0-lr1", "k2-64x2-s0-lr1", "k3-64x2-s0-lr1",
+                       "k2-96x2-s0-lr1", "k3-96x2-s0-lr1"]
+    assert ids[6:] == ["k2-32x2-s1-lr1", "k3-32x2-s1-lr1", "k2-32x2-s0-lr0p5", "k3-32x2-s0-lr0p5"]
+    tps = lad.seq_len * lad.batch_size
+    for r in runs:
+        n = r["counts"]["non_embedding_active_params"]
+        assert r["steps"] == max(lad.min_steps, round(lad.tokens_per_param * n / tps))
+        assert r["tokens"] == r["steps"] * tps
+        assert r["cfg"].optim.schedule == "external"
+        assert rl.point_names(r) == (["branch_0.5", "final"] if r["seed"] == 0 and r["lr_mult"] == 1 else ["final"])
+    # One rule for every arm: lr = coef * (6 N D)^exp, times the sweep multiplier.
+    r = runs[1]
+    n = r["counts"]["non_embedding_active_params"]
+    assert r["lr"] == pytest.approx(lad.lr_coef * (6 * n * r["tokens"]) ** lad.lr_exp)
+    assert runs[-1]["lr"] == pytest.approx(0.5 * r["lr"])
+    # Filters.
+    sub = rl.plan_runs(lad, arms=["k3"], sizes=["64x2"], jobs=["main"])
+    assert [x["run_id"] for x in sub] == ["k3-64x2-s0-lr1"]
+    # The config hash follows what defines the results.
+    h0 = rl.config_hash(runs[0], lad)
+    assert h0 == rl.config_hash(rl.plan_runs(lad)[0], lad)
+    lad.lr_coef = 0.2
+    assert rl.config_hash(rl.plan_runs(lad)[0], lad) != h0
+
+
+def test_mechanism_arms_swap_one_piece_each():
+    from experiments.configs.ladder import arm_config
+
+    k2, k3 = arm_config("k2", 128, 4).model, arm_config("k3", 128, 4).model
+    hyb = arm_config("k2+kda_hybrid", 128, 4).model
+    res = arm_config("k2+attn_res", 128, 4).model
+    moe = arm_config("k2+latent_moe_qb", 128, 4).model
+    assert (hyb.mixer, hyb.mla.use_rope, hyb.mla.output_gate) == (k3.mixer, k3.mla.use_rope, k3.mla.output_gate)
+    assert (hyb.residual, hyb.moe.to_dict(), hyb.activation) == (k2.residual, k2.moe.to_dict(), k2.activation)
+    assert res.residual == k3.residual and (res.mixer, res.moe.to_dict()) == (k2.mixer, k2.moe.to_dict())
+    assert moe.moe.to_dict() == k3.moe.to_dict() and moe.activation == k3.activation
+    assert (moe.mixer, moe.residual) == (k2.mixer, k2.residual)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"sizes": "64"}, "not 'D_MODELxN_LAYERS'"),
+    ({"arms": "k2,k9"}, "ladder arm 'k9' unknown"),
+    ({"branches": "0.5:0.4"}, "0 < start < end < 1"),
+    ({"branches": "0.85:0.9"}, "before the main run's cooldown"),
+    ({"sizes": "48x2"}, "multiple of 32"),
+    ({"overrides": "model.nope=1"}, "no such config key"),
+])
+def test_bad_ladders_name_the_problem(bad, message):
+    lad = rl.load_ladder(MICRO)
+    lad.update(bad)
+    with pytest.raises(rl.LadderError, match=message):
+        rl.plan_runs(lad)
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    assert rl.main([f"--ladder={tmp_path}/none.py", f"--out={tmp_path}/o"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.py"
+    bad.write_text("from experiments.run_ladder import default_ladder\n"
+                   "def get_config():\n    c = default_ladder()\n    c.unlocked = 1\n    return c\n")
+    assert rl.main([f"--ladder={bad}", f"--out={tmp_path}/o"]) == 2
+    assert "unknown ladder key unlocked" in capsys.readouterr().err
+    assert rl.main([f"--ladder={MICRO}", f"--out={tmp_path}/o", "--arms=k3,k7"]) == 2
+    assert "'k7' is not in the ladder's arms" in capsys.readouterr().err
+    assert rl.main([f"--ladder={MICRO}", f"--out={tmp_path}/o", "--set=tokens_per_param=lots"]) == 2
+    assert "expected float" in capsys.readouterr().err
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert rl.main([f"--ladder={MICRO}", f"--out={f}"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing written on bad input
+    assert f.read_text() == "x"
+
+
+def test_done_points_skip_and_merge(tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "points.jsonl").write_text(json.dumps({"run_id": "k2-32x2-s0-lr1", "point": "final"}) + "\n")
+    (out / "points_gpu2.jsonl").write_text(json.dumps({"run_id": "k2-32x2-s0-lr1", "point": "branch_0.5"}) + "\n"
+                                           + '{"run_id": "cut')  # a line cut by a kill is ignored
+    assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--dry_run"]) == 0
+    text = capsys.readouterr().out
+    assert "10 runs, 1 done, 9 to train" in text
+    assert "*branch_0.5,*final" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The run-time learning rate equals a compiled-in schedule
+
+
+def test_external_learning_rate_equals_wsd_schedule():
+    from k3.optim import learning_rate_schedule
+    from k3.train import make_run
+
+    def cfg(schedule):
+        c = default_config()
+        c.model = tiny_model_cfg()
+        c.data.seq_len, c.data.batch_size = 16, 2
+        c.steps = 6
+        c.optim.update(dict(schedule=schedule, lr=0.02, adam_lr=0.01, warmup_steps=2, decay_frac=0.5,
+                            min_lr_ratio=0.1))
+        return c
+
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(6):
+        toks = rng.integers(0, 97, (2, 17)).astype(np.int32)
+        batches.append({"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((2, 16), np.int32),
+                        "loss_mask": np.ones((2, 16), np.float32)})
+    ref_run, ref = make_run(cfg("wsd"))
+    ext_cfg = cfg("external")
+    ext_run, ext = make_run(ext_cfg)
+    sched = learning_rate_schedule(cfg("wsd").optim, 6)
+    for t, b in enumerate(batches):
+        ref, m_ref = ref_run.train_step(ref, b)
+        ext["lr"] = jax.numpy.asarray(sched(t), jax.numpy.float32)
+        ext, m_ext = ext_run.train_step(ext, b)
+        np.testing.assert_allclose(float(m_ext["lr"]), float(m_ref["lr"]), rtol=1e-6)
+        np.testing.assert_allclose(float(m_ext["loss"]), float(m_ref["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(ref["params"])), jax.tree.leaves(nnx.to_pure_dict(ext["params"]))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end (CPU): kills, resumes, fits, plots
+
+
+@pytest.mark.slow
+def test_resume_after_kill_reproduces_uninterrupted_points(tmp_path):
+    """A run killed before its branch and one killed between branch and final give the same points."""
+    common = [f"--ladder={MICRO}", "--arms=k2", "--sizes=32x2", "--jobs=main"]
+    ref = _cli(*common, f"--out={tmp_path}/ref")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    want = _points(tmp_path / "ref")
+    assert set(want) == {("k2-32x2-s0-lr1", "branch_0.5"), ("k2-32x2-s0-lr1", "final")}
+    for kill in (3, 7):  # branch starts at step 4, ends at 5; main cooldown from step 8 of 10
+        out = tmp_path / f"kill{kill}"
+        p = _cli(*common, f"--out={out}", f"--kill_after_steps={kill}")
+        assert p.returncode == 137, p.stderr[-2000:]
+        assert (out / "runs" / "k2-32x2-s0-lr1" / "checkpoints").is_dir()
+        p = _cli(*common, f"--out={out}")
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = _points(out)
+        assert set(got) == set(want)
+        for key in want:
+            assert got[key]["val_loss"] == pytest.approx(want[key]["val_loss"], rel=1e-5), (kill, key)
+            assert got[key]["tokens"] == want[key]["tokens"]
+        assert not (out / "runs" / "k2-32x2-s0-lr1").exists()  # checkpoints go once the run is done
+
+
+@pytest.mark.slow
+def test_micro_ladder_end_to_end_fit_and_plot(tmp_path):
+    out = tmp_path / "ladder"
+    p = _cli(f"--ladder={MICRO}", f"--out={out}", "--kill_after_steps=25")
+    assert p.returncode == 137, p.stderr[-2000:]
+    p = _cli(f"--ladder={MICRO}", f"--out={out}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    pts = _points(out)
+    assert len(pts) == 6 * 2 + 4  # 6 main runs x (branch, final) + 2 seed runs + 2 sweep runs
+    for r in pts.values():
+        assert r["flops_6N"] == pytest.approx(6 * r["params_non_embedding_active"] * r["tokens"])
+        assert r["flops_full"] > r["flops_6N"]
+        assert math.isfinite(r["val_loss"]) and r["val_bits_per_byte"] > 0
+        assert len(r["config_hash"]) == 12 and r["wall_s"] > 0
+    again = _cli(f"--ladder={MICRO}", f"--out={out}")
+    assert "0 to train" in again.stdout
+    fit = subprocess.run([sys.executable, "-m", "experiments.fit", f"--results={out}", "--bootstrap=50"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    report = json.loads((out / "fit.json").read_text())
+    assert "k3" in json.dumps(report)
+    plot = subprocess.run([sys.executable, "-m", "experiments.plot", f"--results={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    pngs = sorted(out.glob("*.png"))
+    assert any("loss_vs_compute" in p.name for p in pngs) and any("multiplier" in p.name for p in pngs)
+    assert all(p.stat().st_size > 1000 for p in pngs)
