@@ -518,13 +518,21 @@ def main(argv=None) -> int:
               f"{ladder.data.vocab_size}", file=sys.stderr)
         return 2
     kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
+    speed = {}  # arm -> (training FLOPs per second, full convention) of its last run here
     for r in todo:
-        if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
+        elapsed = time.perf_counter() - t_start
+        if a.deadline_s and elapsed > a.deadline_s:
             print(f"deadline: {a.deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
             break
+        flops = r["flops_per_token"]["full"] * r["tokens"] * (1 + sum(e - b for b, e in r["branches"]))
+        if a.deadline_s and r["arm"] in speed and elapsed + flops / speed[r["arm"]] + 30 > a.deadline_s:
+            print(f"deadline: {r['run_id']} would need about {flops / speed[r['arm']]:.0f}s; skipped (rerun to resume)")
+            continue
         print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e}", flush=True)
         try:
-            train_run(r, ladder, data, out, done, kill)
+            recs = train_run(r, ladder, data, out, done, kill)
+            if recs and recs[-1]["tokens_per_s"]:
+                speed[r["arm"]] = recs[-1]["tokens_per_s"] * r["flops_per_token"]["full"]
         except _Kill:
             os._exit(137)  # as a SIGKILL would: no cleanup, no flush beyond what is on disk
         except (LadderError, RunError) as e:
