@@ -64,6 +64,7 @@ class KDA(nnx.Module):
         self.n_heads, self.head_dim, self.eps = H, K, cfg.norm_eps
         self.gate_kind, self.lower_bound = k.gate, k.gate_lower_bound
         self.impl, self.chunk_size = k.impl, k.chunk_size
+        self.conv_size = k.conv_size
         self.dtype = jnp.dtype(cfg.dtype)
         init = normal(cfg.init_std)
         self.w_q = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
@@ -130,3 +131,54 @@ class KDA(nnx.Module):
         o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
         return (y, state) if return_state else y
+
+    # ------------------------------------------------------------------------------------------
+    # Incremental decoding: a fixed-size cache per row (the recurrent state and the conv rings)
+
+    def init_cache(self, batch: int) -> dict:
+        """Empty decode cache: 'state' [B, H, K, K] fp32 and, per projection, the ring of its last
+        conv_size - 1 inputs 'conv_q' / 'conv_k' / 'conv_v' [B, conv_size - 1, H*K] fp32."""
+        H, K = self.n_heads, self.head_dim
+        ring = jnp.zeros((batch, self.conv_size - 1, H * K), jnp.float32)
+        return {"state": jnp.zeros((batch, H, K, K), jnp.float32), "conv_q": ring, "conv_k": ring, "conv_v": ring}
+
+    def _branch_extend(self, x, w, conv, ring_BWC, n_valid_B):
+        """A projection's conv branch continued from its ring; returns ([B, T, H, K], new ring)."""
+        y = jnp.einsum("btd,dhk->bthk", x, cast(w, self.dtype))
+        B, T, H, K = y.shape
+        W = self.conv_size
+        full = jnp.concatenate([ring_BWC, y.reshape(B, T, H * K).astype(jnp.float32)], axis=1)
+        out = causal_conv(full, conv[...].reshape(-1, H * K), None)[:, W - 1:]
+        # The last W - 1 inputs of each row end at its last valid token: full[n : n + W - 1].
+        idx = n_valid_B[:, None] + jnp.arange(W - 1)[None, :]
+        ring = jnp.take_along_axis(full, idx[..., None], axis=1)
+        return jax.nn.silu(out).reshape(B, T, H, K), ring
+
+    def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array):
+        """Runs T new tokens per row from ``cache``; returns (y [B, T, D], new cache).
+
+        Row b's first ``n_valid_B[b]`` tokens are real; the rest are padding that leaves the state and
+        the rings untouched (beta = 0 and g = 0 make a delta-rule step the identity) and whose outputs
+        are meaningless. ``start_B`` (tokens already cached) is unused: the state has no positions.
+        """
+        del start_B
+        x = x_BTD.astype(self.dtype)
+        T = x.shape[1]
+        q, ring_q = self._branch_extend(x, self.w_q, self.conv_q, cache["conv_q"], n_valid_B)
+        k, ring_k = self._branch_extend(x, self.w_k, self.conv_k, cache["conv_k"], n_valid_B)
+        v, ring_v = self._branch_extend(x, self.w_v, self.conv_v, cache["conv_v"], n_valid_B)
+        q, k, v = l2_normalize(q).astype(self.dtype), l2_normalize(k).astype(self.dtype), v.astype(self.dtype)
+        g, beta = self.gates(x)
+        valid = jnp.arange(T)[None, :] < n_valid_B[:, None]
+        g = jnp.where(valid[..., None, None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        # A few tokens (decode, draft verification) run the token recurrence; a prompt the chunked core.
+        impl = "recurrent" if T < self.chunk_size else self.impl
+        o, state = kda_core(q, k, v, g, beta, impl=impl, initial_state=cache["state"], output_final_state=True,
+                            chunk_size=self.chunk_size,
+                            gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
+        o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
+        gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
+        o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
+        y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
+        return y, {"state": state, "conv_q": ring_q, "conv_k": ring_k, "conv_v": ring_v}

@@ -163,3 +163,57 @@ class MLA(nnx.Module):
             o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), cast(self.w_o, self.dtype))
         return (y, max_logit) if return_max_logit else y
+
+    # ------------------------------------------------------------------------------------------
+    # Incremental decoding: the compressed latent cache, with the up-projection absorbed
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        """Empty decode cache for ``max_len`` tokens per row: the normed latent 'c_kv' [B, S, kv_lora]
+        and the shared key part 'k_rope' [B, S, rope] (rotated at its position for K2)."""
+        return {"c_kv": jnp.zeros((batch, max_len, self.kv_lora), dtype),
+                "k_rope": jnp.zeros((batch, max_len, self.rope), dtype)}
+
+    def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array):
+        """Attends T new tokens per row to the cached ones and themselves; returns (y, new cache).
+
+        Row b's new tokens sit at positions start_B[b] + t. They are written to the cache (tokens
+        past a row's ``n_valid_B[b]`` too: they lie beyond its length, are never attended to by a
+        valid query and are overwritten by the next call). Weight absorption: the queries move into
+        the latent space (q_nope W_kb_k) and the attention output leaves it through W_kb_v, so the
+        cache is never expanded to per-head keys and values.
+        """
+        del n_valid_B
+        dt = self.dtype
+        x = x_BTD.astype(dt)
+        B, T, _ = x.shape
+        S = cache["c_kv"].shape[1]
+        positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        if self.q_a is not None:
+            q = jnp.einsum("btd,dr->btr", x, cast(self.q_a, dt))
+            q = jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x, cast(self.q_b, dt))
+        kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
+        c_kv, k_rope = self.kv_norm(kv[..., : self.kv_lora]), kv[..., self.kv_lora:]
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        if self.use_rope:
+            q_rope = apply_rope(q_rope, positions, self.theta)
+            k_rope = apply_rope(k_rope[:, :, None, :], positions, self.theta)[:, :, 0]
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        c_cache = cache["c_kv"].at[rows, positions].set(c_kv.astype(cache["c_kv"].dtype), mode="drop")
+        r_cache = cache["k_rope"].at[rows, positions].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")
+        kv_b = cast(self.kv_b, jnp.float32)
+        w_kb_k, w_kb_v = kv_b[..., : self.nope], kv_b[..., self.nope:]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_kb_k)
+        s = (jnp.einsum("bthr,bsr->bhts", q_lat, c_cache.astype(jnp.float32))
+             + jnp.einsum("bthe,bse->bhts", q_rope.astype(jnp.float32), r_cache.astype(jnp.float32))) * self.scale
+        allowed = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal over the row
+        s = jnp.where(allowed[:, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o_lat = jnp.einsum("bhts,bsr->bthr", p, c_cache.astype(jnp.float32))
+        o = jnp.einsum("bthr,rhv->bthv", o_lat, w_kb_v)
+        if self.w_gate is not None:
+            gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, dt))
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
+        y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.w_o, dt))
+        return y, {"c_kv": c_cache, "k_rope": r_cache}

@@ -1,0 +1,163 @@
+"""Incremental decoding: the per-model cache, prefill/decode (`extend`) and `generate`.
+
+The cache mirrors the model's layer layout ({'head': [per layer], 'body': [per position in the
+scanned period, stacked over repeats], 'tail': [per layer]}) plus 'length' [B] int32, the tokens
+cached per row:
+  KDA layer  'state' [B, H, K, V] fp32 and the short-conv rings 'conv_q/k/v' [B, conv - 1, H*K]:
+             a fixed size, whatever the context length;
+  MLA layer  'c_kv' [B, S, kv_lora] (the normed latent) and 'k_rope' [B, S, rope]: kv_lora + rope
+             values per token (576 in the full K3/K2 shapes), never expanded to per-head keys.
+AttnRes mixes over depth only, and MoE routing is per token, so neither needs a cache.
+
+`extend` runs T new tokens per row on top of the cache: T = the prompt for prefill, 1 for a decode
+step, k + 1 for speculative verification. Rows may use fewer than T (``n_valid``): prompts of
+different lengths share one right-padded prefill.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3 import attn_res
+from k3.nn import cast
+
+
+def _layer_cache(layer, batch: int, max_len: int, dtype) -> dict:
+    if layer.mixer_kind == "kda":
+        return layer.mixer.init_cache(batch)
+    return layer.mixer.init_cache(batch, max_len, dtype)
+
+
+def init_cache(model, batch: int, max_len: int, dtype=None) -> dict:
+    """An empty cache for ``batch`` rows of up to ``max_len`` tokens (MLA latents in ``dtype``,
+    default the model's compute dtype; KDA state always fp32)."""
+    dtype = jnp.dtype(dtype or model.dtype)
+    layers = {"head": [_layer_cache(layer, batch, max_len, dtype) for layer in model.head_layers],
+              "tail": [_layer_cache(layer, batch, max_len, dtype) for layer in model.tail_layers], "body": []}
+    if model.body is not None:
+        for layer in model.body.layers:
+            one = _layer_cache(layer, batch, max_len, dtype)
+            layers["body"].append(jax.tree.map(lambda x: jnp.broadcast_to(x, (model.body_repeats,) + x.shape), one))
+    return {"layers": layers, "length": jnp.zeros((batch,), jnp.int32)}
+
+
+def cache_max_len(cache: dict) -> int | None:
+    """The token capacity of a cache's MLA layers (None when the model has none)."""
+    for c in jax.tree.leaves(cache["layers"], is_leaf=lambda x: isinstance(x, dict) and "c_kv" in x):
+        if isinstance(c, dict) and "c_kv" in c:
+            return c["c_kv"].shape[-2]
+    return None
+
+
+def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None = None):
+    """Runs T new tokens per row after the cached ones: (logits [B, T, V] fp32, new cache).
+
+    tokens: int [B, T]; n_valid: int [B] real tokens per row (default all T); the logits of a row's
+    padding positions are meaningless. The MLA caches must hold length + T tokens.
+    """
+    B, T = tokens_BT.shape
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid_B is None else jnp.asarray(n_valid_B, jnp.int32)
+    start = cache["length"]
+    emb = jnp.take(model.embed[...], tokens_BT, axis=0).astype(model.dtype)
+    stream = attn_res.init_stream(emb, model.residual, model.n_slots)
+    layers = cache["layers"]
+    new = {"head": [], "body": [], "tail": []}
+    for i, layer, c in zip(model.head_idx, model.head_layers, layers["head"]):
+        stream, c = layer.extend(stream, c, i, start, n_valid)
+        new["head"].append(c)
+    if model.body is not None:
+        graphdef, state = nnx.split(model.body)
+        period = model.body_period
+
+        def group_step(carry, xs):
+            stream, first = carry
+            state_r, caches_r = xs
+            group = nnx.merge(graphdef, state_r)
+            out = []
+            for j, (layer, c) in enumerate(zip(group.layers, caches_r)):
+                stream, c = layer.extend(stream, c, first + j, start, n_valid)
+                out.append(c)
+            return (stream, first + period), out
+
+        (stream, _), new["body"] = jax.lax.scan(
+            group_step, (stream, jnp.asarray(model.body_start, jnp.int32)), (state, layers["body"]))
+    for i, layer, c in zip(model.tail_idx, model.tail_layers, layers["tail"]):
+        stream, c = layer.extend(stream, c, i, start, n_valid)
+        new["tail"].append(c)
+    h = model.final_norm(attn_res.read(stream, model.out_mix))
+    logits = jnp.einsum("btd,dv->btv", h, cast(model.lm_head, model.dtype)).astype(jnp.float32)
+    return logits, {"layers": new, "length": start + n_valid}
+
+
+def sample_logits(logits_BV: jax.Array, key, temperature: float, top_k: int = 0) -> jax.Array:
+    """Next tokens [B] int32: argmax when temperature <= 0, else a draw from softmax(logits / t),
+    restricted to the top_k logits when top_k > 0."""
+    if temperature <= 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits = logits_BV / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k: int, pad_id: int):
+    @jax.jit
+    def run(params, rest, tokens_BP, lengths_B, stop_ids, key):
+        model = nnx.merge(graphdef, params, rest)
+        B = tokens_BP.shape[0]
+        cache = init_cache(model, B, max_len)
+        logits, cache = extend(model, tokens_BP, cache, lengths_B)
+        last = logits[jnp.arange(B), lengths_B - 1]
+
+        def step(carry, _):
+            cache, last, key, done = carry
+            key, sub = jax.random.split(key)
+            tok = jnp.where(done, pad_id, sample_logits(last, sub, temperature, top_k))
+            done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+            logits, cache = extend(model, tok[:, None], cache)
+            return (cache, logits[:, 0], key, done), tok
+
+        _, toks = jax.lax.scan(step, (cache, last, key, jnp.zeros((B,), bool)), None, length=max_new)
+        return toks.T  # [B, max_new]
+
+    return run
+
+
+def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int = 0, stop_tokens: Sequence[int] = (), seed: int = 0,
+             pad_id: int = 0) -> list[list[int]]:
+    """Continues each prompt (a batch of different lengths) by up to ``max_new_tokens`` tokens.
+
+    One jitted program: a right-padded prefill of all prompts, then a scan of decode steps. A row
+    stops after emitting one of ``stop_tokens`` (included in its output). Greedy when
+    ``temperature`` <= 0. ``graphdef, params, rest``: the model as `nnx.split(model, nnx.Param, ...)`.
+    Returns the new tokens of each row.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    P = max(len(p) for p in prompts)
+    tokens = np.full((len(prompts), P), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    # Capacity rounded up so that nearby prompt lengths reuse one compiled program.
+    max_len = -(-(P + max_new_tokens) // 64) * 64
+    fn = _generate_fn(graphdef, max_new_tokens, max_len, float(temperature), int(top_k), int(pad_id))
+    stop_ids = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+    out = np.asarray(fn(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), stop_ids, jax.random.key(seed)))
+    stops = set(int(s) for s in stop_tokens)
+    result = []
+    for row in out.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        result.append(row[:cut])
+    return result

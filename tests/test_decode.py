@@ -1,0 +1,191 @@
+"""Incremental decoding equals the full forward pass (K2 and K3, AttnRes, scanned layers, ragged prompts)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3 import decode
+from k3.model import Model
+from tests.conftest import tiny_model_cfg
+
+TOL = 1e-4
+# The K3 variants of the longer checks compile a 13-layer hybrid several times: CI's slow set.
+STYLES_SLOW_K3 = [pytest.param("k3", marks=pytest.mark.slow), "k2"]
+
+
+def _cfg(style):
+    if style == "k3":  # dense first layer, a scanned KDA,KDA,KDA,MLA body (2 repeats), final MLA in the tail
+        return tiny_model_cfg(n_layers=13, first_k_dense=1)
+    m = tiny_model_cfg(n_layers=5, first_k_dense=1, mixer="mla", residual="plain", activation="swiglu")
+    m.mla.update(dict(use_rope=True, output_gate=False))
+    m.moe.update(dict(latent_dim=0, balancing="sign"))
+    return m
+
+
+PAD = 48  # forward passes run at one padded length (causal: padding after a token cannot change its logits)
+
+
+def _forward_rows(forward, rows):
+    """Full-forward logits of each token list, [len(row), V] each, at the one padded length."""
+    x = np.full((len(rows), PAD), 96, np.int32)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = r
+    out = np.asarray(forward(jnp.asarray(x)))
+    return [out[i, :len(r)] for i, r in enumerate(rows)]
+
+
+@functools.lru_cache(maxsize=None)
+def _model(style):
+    model = Model(_cfg(style), rngs=nnx.Rngs(7))
+    forward = jax.jit(lambda t: model(t)[0])
+    ext = jax.jit(lambda t, c, n: decode.extend(model, t, c, n))
+    return model, forward, ext
+
+
+def test_layouts_cover_head_body_tail():
+    k3, k2 = _model("k3")[0], _model("k2")[0]
+    assert k3.head_idx == (0, 1, 2, 3) and k3.body_repeats == 2 and k3.tail_idx == (12,)
+    assert k2.head_idx == (0,) and k2.body_repeats == 4
+
+
+@pytest.mark.parametrize("style", ["k3", "k2"])
+def test_token_by_token_decode_equals_forward(style):
+    model, forward, ext = _model(style)
+    B, T, P = 2, 19, 6
+    toks = jax.random.randint(jax.random.key(11), (B, T), 0, 97)
+    want = np.stack(_forward_rows(forward, list(np.asarray(toks))))
+    cache = decode.init_cache(model, B, PAD)
+    got, cache = ext(toks[:, :P], cache, None)
+    outs = [got]
+    for i in range(P, T):
+        lg, cache = ext(toks[:, i:i + 1], cache, None)
+        outs.append(lg)
+    got = jnp.concatenate(outs, axis=1)
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=TOL)
+    assert cache["length"].tolist() == [T, T]
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_chunked_prefill_and_single_token_prompt(style):
+    """A prompt prefilled in uneven pieces (one longer than KDA's chunk) and a one-token prompt."""
+    model, forward, ext = _model(style)
+    toks = np.asarray(jax.random.randint(jax.random.key(5), (2, 43), 0, 97))
+    want = _forward_rows(forward, list(toks))
+    cache = decode.init_cache(model, 2, PAD)
+    pieces = []
+    for a, b in ((0, 1), (1, 7), (7, 26), (26, 43)):
+        lg, cache = ext(jnp.asarray(toks[:, a:b]), cache, None)
+        pieces.append(np.asarray(lg))
+    np.testing.assert_allclose(np.concatenate(pieces, 1), np.stack(want), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_ragged_prompts_in_one_batch(style):
+    """Right-padded prompts of lengths 1, 4 and 6 share one prefill; decoding continues per row."""
+    model, forward, ext = _model(style)
+    lengths = [1, 4, 6]
+    n_new = 5
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 97, n + n_new) for n in lengths]
+    tokens = np.full((3, max(lengths)), 96, np.int32)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        tokens[i, :n] = s[:n]
+    cache = decode.init_cache(model, 3, PAD)
+    lg, cache = ext(jnp.asarray(tokens), cache, jnp.asarray(lengths))
+    got = [[np.asarray(lg[i, :n])] for i, n in enumerate(lengths)]
+    for j in range(n_new):
+        step = np.array([[s[n + j]] for s, n in zip(seqs, lengths)], np.int32)
+        lg, cache = ext(jnp.asarray(step), cache, None)
+        for i in range(3):
+            got[i].append(np.asarray(lg[i]))
+    assert cache["length"].tolist() == [n + n_new for n in lengths]
+    for i, want in enumerate(_forward_rows(forward, seqs)):
+        np.testing.assert_allclose(np.concatenate(got[i], 0), want, atol=TOL, rtol=TOL)
+
+
+def test_padding_rows_leave_state_untouched():
+    """Padding tokens (past n_valid) change neither the KDA state, the conv rings nor the length."""
+    model, _, ext = _model("k3")
+    toks = np.asarray(jax.random.randint(jax.random.key(2), (2, 6), 0, 97))
+    other = toks.copy()
+    other[:, 3:] = (other[:, 3:] + 50) % 97
+    c0 = decode.init_cache(model, 2, PAD)
+    _, c_a = ext(jnp.asarray(toks), c0, jnp.asarray([3, 3]))
+    _, c_b = ext(jnp.asarray(other), c0, jnp.asarray([3, 3]))
+    c_ref = c0
+    for i in range(3):  # the three real tokens one at a time
+        _, c_ref = ext(jnp.asarray(toks[:, i:i + 1]), c_ref, None)
+    assert c_a["length"].tolist() == c_b["length"].tolist() == [3, 3]
+    n_kda = 0
+    for x, y, r in zip(jax.tree.leaves(c_a["layers"], is_leaf=lambda d: isinstance(d, dict) and "state" in d),
+                       jax.tree.leaves(c_b["layers"], is_leaf=lambda d: isinstance(d, dict) and "state" in d),
+                       jax.tree.leaves(c_ref["layers"], is_leaf=lambda d: isinstance(d, dict) and "state" in d)):
+        if isinstance(x, dict):
+            n_kda += 1
+            for key in x:
+                np.testing.assert_array_equal(np.asarray(x[key]), np.asarray(y[key]))
+                np.testing.assert_allclose(np.asarray(x[key]), np.asarray(r[key]), atol=1e-5)
+    assert n_kda == 6  # 3 KDA layers in the head, 3 KDA positions of the scanned body (stacked)
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_generate_greedy_equals_recompute_and_stops(style):
+    model, forward, _ = _model(style)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    prompts = [[5, 9, 13], [1, 2, 3, 4, 5, 6, 7, 8], [42]]
+    got = decode.generate(graphdef, params, rest, prompts, 6)
+    for p, out in zip(prompts, got):
+        ids = list(p)
+        for _ in range(6):
+            ids.append(int(np.argmax(np.asarray(forward(jnp.asarray([ids])))[0, -1])))
+        assert out == ids[len(p):]
+    # Stop tokens end a row (the stop token is kept); other rows run on.
+    stop = got[1][2]
+    cut = decode.generate(graphdef, params, rest, prompts, 6, stop_tokens=[stop])
+    for full, short in zip(got, cut):
+        k = full.index(stop) + 1 if stop in full else len(full)
+        assert short == full[:k]
+
+
+def test_sampling_is_seeded_and_top_k_restricts():
+    model, _, _ = _model("k2")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    a = decode.generate(graphdef, params, rest, [[3, 4]], 8, temperature=1.0, seed=1)
+    b = decode.generate(graphdef, params, rest, [[3, 4]], 8, temperature=1.0, seed=1)
+    assert a == b
+    logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]])
+    draws = {int(decode.sample_logits(logits, jax.random.key(s), 1.0, top_k=2)[0]) for s in range(40)}
+    assert draws == {1, 2}
+    assert int(decode.sample_logits(logits, None, 0.0)[0]) == 1
+    with pytest.raises(ValueError, match="at least one token"):
+        decode.generate(graphdef, params, rest, [[]], 3)
+
+
+def test_cache_bytes_match_the_layer_formula():
+    from experiments.cache_size import cache_bytes
+    from k3.config import layer_kinds
+
+    m = _cfg("k3")
+    kinds = layer_kinds(m)
+    n_mla = sum(k == "mla" for k, _ in kinds)
+    n_kda = len(kinds) - n_mla
+    H, K, W = m.kda.n_heads, m.kda.head_dim, m.kda.conv_size
+    got = cache_bytes(m, context=100, batch=3)
+    assert got["per_token"] == n_mla * (m.mla.kv_lora_rank + m.mla.qk_rope_dim) * 4  # fp32 compute dtype
+    assert got["fixed"] == 3 * n_kda * (H * K * K + 3 * (W - 1) * H * K) * 4 + 3 * 4  # + the int32 lengths
+    assert got["total"] == got["fixed"] + 100 * 3 * got["per_token"]
+
+
+@pytest.mark.slow
+def test_full_k3_cache_grows_a_quarter_of_all_mla():
+    from experiments.cache_size import _configs, cache_bytes
+
+    (_, k3), (_, all_mla), (_, k2) = _configs()
+    a, b = cache_bytes(k3, 8192), cache_bytes(all_mla, 8192)
+    assert a["per_token"] / b["per_token"] == pytest.approx(24 / 93)
+    assert a["per_token"] == 24 * 576 * 2 and cache_bytes(k2, 8192)["per_token"] == 61 * 576 * 2
+    assert a["fixed"] == 69 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 4) + 4  # fp32 states, conv rings, length
