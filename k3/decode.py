@@ -55,11 +55,13 @@ def cache_max_len(cache: dict) -> int | None:
     return None
 
 
-def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None = None):
+def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None = None,
+           keep_inputs: bool = False):
     """Runs T new tokens per row after the cached ones: (logits [B, T, V] fp32, new cache).
 
     tokens: int [B, T]; n_valid: int [B] real tokens per row (default all T); the logits of a row's
     padding positions are meaningless. The MLA caches must hold length + T tokens.
+    ``keep_inputs``: KDA layers also return the tokens' projected inputs (see `rollback`).
     """
     B, T = tokens_BT.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid_B is None else jnp.asarray(n_valid_B, jnp.int32)
@@ -69,7 +71,7 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
     layers = cache["layers"]
     new = {"head": [], "body": [], "tail": []}
     for i, layer, c in zip(model.head_idx, model.head_layers, layers["head"]):
-        stream, c = layer.extend(stream, c, i, start, n_valid)
+        stream, c = layer.extend(stream, c, i, start, n_valid, keep_inputs)
         new["head"].append(c)
     if model.body is not None:
         graphdef, state = nnx.split(model.body)
@@ -81,14 +83,14 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
             group = nnx.merge(graphdef, state_r)
             out = []
             for j, (layer, c) in enumerate(zip(group.layers, caches_r)):
-                stream, c = layer.extend(stream, c, first + j, start, n_valid)
+                stream, c = layer.extend(stream, c, first + j, start, n_valid, keep_inputs)
                 out.append(c)
             return (stream, first + period), out
 
         (stream, _), new["body"] = jax.lax.scan(
             group_step, (stream, jnp.asarray(model.body_start, jnp.int32)), (state, layers["body"]))
     for i, layer, c in zip(model.tail_idx, model.tail_layers, layers["tail"]):
-        stream, c = layer.extend(stream, c, i, start, n_valid)
+        stream, c = layer.extend(stream, c, i, start, n_valid, keep_inputs)
         new["tail"].append(c)
     h = model.final_norm(attn_res.read(stream, model.out_mix))
     logits = jnp.einsum("btd,dv->btv", h, cast(model.lm_head, model.dtype)).astype(jnp.float32)
@@ -161,3 +163,70 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
         cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         result.append(row[:cut])
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding: verify k drafts in one pass, roll the KDA states back without per-token states
+
+
+def replay_kda(before: dict, inputs: dict, n_B: jax.Array) -> dict:
+    """A KDA layer's cache after the first ``n_B[b]`` of the tokens whose ``inputs`` were kept.
+
+    before: the layer's cache before those tokens; inputs: `KDA.extend`'s kept inputs. The state is
+    rebuilt by the delta rule from ``before['state']`` over the kept k, v, g, beta (the rest masked
+    to identity steps), the conv rings from the kept pre-conv projections: no per-token state is
+    ever stored.
+    """
+    from k3.kda import conv_ring
+    from k3.ops.kda import kda_core
+
+    k, v, g, beta = inputs["k"], inputs["v"], inputs["g"], inputs["beta"]
+    valid = jnp.arange(k.shape[1])[None, :] < n_B[:, None]
+    g = jnp.where(valid[..., None, None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    _, state = kda_core(k, k, v, g, beta, impl="recurrent", initial_state=before["state"],
+                        output_final_state=True, gate_lower_bound=None)
+    rings = {name: conv_ring(before[name], inputs["pre"][:, :, i], n_B)
+             for i, name in enumerate(("conv_q", "conv_k", "conv_v"))}
+    return {"state": state, **rings}
+
+
+def rollback(before: dict, after: dict, n_B: jax.Array) -> dict:
+    """The cache after only the first ``n_B[b]`` tokens of an `extend(..., keep_inputs=True)` that
+    took ``before`` to ``after``: KDA layers replayed (`replay_kda`), MLA layers keep their written
+    latents (those past the new length are never read and get overwritten)."""
+    def layer(b, a, stacked):
+        if "state" not in b:
+            return a
+        if stacked:
+            return jax.vmap(replay_kda, in_axes=(0, 0, None))(b, a["inputs"], n_B)
+        return replay_kda(b, a["inputs"], n_B)
+
+    lb, la = before["layers"], after["layers"]
+    layers = {"head": [layer(b, a, False) for b, a in zip(lb["head"], la["head"])],
+              "body": [layer(b, a, True) for b, a in zip(lb["body"], la["body"])],
+              "tail": [layer(b, a, False) for b, a in zip(lb["tail"], la["tail"])]}
+    return {"layers": layers, "length": before["length"] + n_B}
+
+
+def speculative_step(model, cache: dict, pending_B: jax.Array, drafts_BK: jax.Array):
+    """One greedy speculative step: verifies k draft tokens per row in one forward pass.
+
+    pending: [B] the token chosen last and not yet in the cache; drafts: [B, k] proposed next
+    tokens. Feeds [pending, drafts] (k + 1 tokens), accepts each row's longest draft prefix that
+    greedy decoding would have produced, and takes the model's token after it. Returns
+    (emitted [B, k + 1] with the row's first n_emit valid, n_emit [B] in 1..k+1, the new pending
+    token [B] (the last emitted), the cache holding pending + accepted drafts). Equal to n_emit
+    steps of plain greedy decoding for any drafts.
+    """
+    B, K = drafts_BK.shape
+    tokens = jnp.concatenate([pending_B[:, None], drafts_BK], axis=1)
+    logits, after = extend(model, tokens, cache, keep_inputs=True)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, k + 1]: the token after each position
+    matches = greedy[:, :K] == drafts_BK
+    n_acc = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)  # accepted drafts
+    bonus = jnp.take_along_axis(greedy, n_acc[:, None], axis=1)[:, 0]
+    emitted = jnp.where(jnp.arange(K + 1)[None, :] < n_acc[:, None],
+                        jnp.concatenate([drafts_BK, jnp.zeros((B, 1), jnp.int32)], axis=1), 0)
+    emitted = jnp.where(jnp.arange(K + 1)[None, :] == n_acc[:, None], bonus[:, None], emitted)
+    return emitted, n_acc + 1, bonus, rollback(cache, after, n_acc + 1)

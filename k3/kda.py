@@ -41,6 +41,17 @@ def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | N
     return out
 
 
+def conv_ring(ring_BWC: jax.Array, new_BTC: jax.Array, n_valid_B: jax.Array) -> jax.Array:
+    """The conv ring after appending each row's first n_valid new inputs: its last W inputs, [B, W, C].
+
+    ring: [B, W, C] the inputs before; new: [B, T, C]; n_valid: [B] int.
+    """
+    full = jnp.concatenate([ring_BWC, new_BTC], axis=1)
+    # The last W inputs of row b end at its last valid token: full[n : n + W].
+    idx = n_valid_B[:, None] + jnp.arange(ring_BWC.shape[1])[None, :]
+    return jnp.take_along_axis(full, idx[..., None], axis=1)
+
+
 def _dt_bias_init(key, shape, dtype=jnp.float32):
     """Mamba-2 style: dt ~ logU(1e-3, 1e-1) floored at 1e-4, stored as softplus^-1(dt)."""
     u = jax.random.uniform(key, shape, jnp.float32)
@@ -143,32 +154,36 @@ class KDA(nnx.Module):
         return {"state": jnp.zeros((batch, H, K, K), jnp.float32), "conv_q": ring, "conv_k": ring, "conv_v": ring}
 
     def _branch_extend(self, x, w, conv, ring_BWC, n_valid_B):
-        """A projection's conv branch continued from its ring; returns ([B, T, H, K], new ring)."""
+        """A projection's conv branch continued from its ring: ([B, T, H, K], new ring, the
+        pre-conv projections [B, T, H*K] fp32)."""
         y = jnp.einsum("btd,dhk->bthk", x, cast(w, self.dtype))
         B, T, H, K = y.shape
-        W = self.conv_size
-        full = jnp.concatenate([ring_BWC, y.reshape(B, T, H * K).astype(jnp.float32)], axis=1)
-        out = causal_conv(full, conv[...].reshape(-1, H * K), None)[:, W - 1:]
-        # The last W - 1 inputs of each row end at its last valid token: full[n : n + W - 1].
-        idx = n_valid_B[:, None] + jnp.arange(W - 1)[None, :]
-        ring = jnp.take_along_axis(full, idx[..., None], axis=1)
-        return jax.nn.silu(out).reshape(B, T, H, K), ring
+        y = y.reshape(B, T, H * K).astype(jnp.float32)
+        full = jnp.concatenate([ring_BWC, y], axis=1)
+        out = causal_conv(full, conv[...].reshape(-1, H * K), None)[:, self.conv_size - 1:]
+        return jax.nn.silu(out).reshape(B, T, H, K), conv_ring(ring_BWC, y, n_valid_B), y
 
-    def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array):
+    def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array,
+               keep_inputs: bool = False):
         """Runs T new tokens per row from ``cache``; returns (y [B, T, D], new cache).
 
         Row b's first ``n_valid_B[b]`` tokens are real; the rest are padding that leaves the state and
         the rings untouched (beta = 0 and g = 0 make a delta-rule step the identity) and whose outputs
         are meaningless. ``start_B`` (tokens already cached) is unused: the state has no positions.
+        ``keep_inputs`` adds cache['inputs']: the tokens' projected inputs (pre-conv projections
+        'pre' [B, T, 3, H*K] fp32; k, v [B, T, H, K]; g [B, T, H, K]; beta [B, T, H]), from which
+        `k3.decode.replay_kda` rebuilds the state after any prefix of them (speculative rollback).
         """
         del start_B
         x = x_BTD.astype(self.dtype)
         T = x.shape[1]
-        q, ring_q = self._branch_extend(x, self.w_q, self.conv_q, cache["conv_q"], n_valid_B)
-        k, ring_k = self._branch_extend(x, self.w_k, self.conv_k, cache["conv_k"], n_valid_B)
-        v, ring_v = self._branch_extend(x, self.w_v, self.conv_v, cache["conv_v"], n_valid_B)
+        q, ring_q, pre_q = self._branch_extend(x, self.w_q, self.conv_q, cache["conv_q"], n_valid_B)
+        k, ring_k, pre_k = self._branch_extend(x, self.w_k, self.conv_k, cache["conv_k"], n_valid_B)
+        v, ring_v, pre_v = self._branch_extend(x, self.w_v, self.conv_v, cache["conv_v"], n_valid_B)
+        pre = jnp.stack([pre_q, pre_k, pre_v], axis=2) if keep_inputs else None
         q, k, v = l2_normalize(q).astype(self.dtype), l2_normalize(k).astype(self.dtype), v.astype(self.dtype)
         g, beta = self.gates(x)
+        inputs = {"pre": pre, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
         valid = jnp.arange(T)[None, :] < n_valid_B[:, None]
         g = jnp.where(valid[..., None, None], g, 0.0)
         beta = jnp.where(valid[..., None], beta, 0.0)
@@ -181,4 +196,7 @@ class KDA(nnx.Module):
         gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
         o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
-        return y, {"state": state, "conv_q": ring_q, "conv_k": ring_k, "conv_v": ring_v}
+        new = {"state": state, "conv_q": ring_q, "conv_k": ring_k, "conv_v": ring_v}
+        if keep_inputs:
+            new["inputs"] = inputs
+        return y, new

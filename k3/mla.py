@@ -173,7 +173,8 @@ class MLA(nnx.Module):
         return {"c_kv": jnp.zeros((batch, max_len, self.kv_lora), dtype),
                 "k_rope": jnp.zeros((batch, max_len, self.rope), dtype)}
 
-    def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array):
+    def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array,
+               keep_inputs: bool = False):
         """Attends T new tokens per row to the cached ones and themselves; returns (y, new cache).
 
         Row b's new tokens sit at positions start_B[b] + t. They are written to the cache (tokens
@@ -182,7 +183,7 @@ class MLA(nnx.Module):
         the latent space (q_nope W_kb_k) and the attention output leaves it through W_kb_v, so the
         cache is never expanded to per-head keys and values.
         """
-        del n_valid_B
+        del n_valid_B, keep_inputs  # a rollback only shortens the row's length: nothing to keep
         dt = self.dtype
         x = x_BTD.astype(dt)
         B, T, _ = x.shape

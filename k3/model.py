@@ -82,10 +82,10 @@ class DecoderLayer(nnx.Module):
             f = self.ffn(self.ffn_norm(x))
         return _constrain_stream(attn_res.add_ffn(stream, f), self.sharder), stats
 
-    def extend(self, stream: dict, cache: dict, layer_idx, start_B, n_valid_B):
+    def extend(self, stream: dict, cache: dict, layer_idx, start_B, n_valid_B, keep_inputs: bool = False):
         """Decode path of `__call__`: the mixer continues from its ``cache``; returns (stream, cache)."""
         x = attn_res.read(stream, self.attn_mix)
-        a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B)
+        a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B, keep_inputs)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)
         x = attn_res.read(stream, self.ffn_mix)
         f = self.ffn(self.ffn_norm(x))

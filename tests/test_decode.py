@@ -189,3 +189,62 @@ def test_full_k3_cache_grows_a_quarter_of_all_mla():
     assert a["per_token"] / b["per_token"] == pytest.approx(24 / 93)
     assert a["per_token"] == 24 * 576 * 2 and cache_bytes(k2, 8192)["per_token"] == 61 * 576 * 2
     assert a["fixed"] == 69 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 4) + 4  # fp32 states, conv rings, length
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_speculative_decoding_equals_greedy_for_any_acceptance(style):
+    """Drafts taken from the true greedy continuation and corrupted at a random place per row and
+    step (including all-right and all-wrong): the emitted tokens equal plain greedy decoding, and the
+    rolled-back cache equals a cache that only ever saw the accepted tokens."""
+    model, _, ext = _model(style)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    prompts = [[5, 9, 13, 2], [1, 2, 3, 4, 5, 6], [42]]
+    n_new, K = 14, 3
+    ref = decode.generate(graphdef, params, rest, prompts, n_new + 2 * K + 1)
+    spec = jax.jit(lambda c, p, d: decode.speculative_step(model, c, p, d))
+    rng = np.random.default_rng(0)
+    lengths = [len(p) for p in prompts]
+    tokens = np.zeros((3, 6), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    cache = decode.init_cache(model, 3, PAD)
+    logits, cache = ext(jnp.asarray(tokens), cache, jnp.asarray(lengths))
+    pending = np.argmax(np.asarray(logits)[np.arange(3), np.array(lengths) - 1], axis=-1).astype(np.int32)
+    out = [[int(pending[i])] for i in range(3)]
+    assert [o[0] for o in out] == [r[0] for r in ref]
+    accepted_seen = set()
+    while min(len(o) for o in out) < n_new:
+        drafts = np.zeros((3, K), np.int32)
+        cut = rng.integers(0, K + 1, 3)  # how many drafts are right in each row
+        for i in range(3):
+            if len(out[i]) >= n_new:  # done: step with a wrong first draft until the others catch up
+                cut[i] = 0
+            true = ref[i][len(out[i]):len(out[i]) + K]
+            drafts[i] = true
+            if cut[i] < K:
+                drafts[i, cut[i]] = (true[cut[i]] + 1 + rng.integers(0, 95)) % 97
+        emitted, n_emit, pending, cache = spec(cache, jnp.asarray(pending), jnp.asarray(drafts))
+        emitted, n_emit, pending = np.asarray(emitted), np.asarray(n_emit), np.asarray(pending)
+        for i in range(3):
+            assert n_emit[i] == cut[i] + 1
+            accepted_seen.add(int(cut[i]))
+            out[i] += emitted[i, :n_emit[i]].tolist()
+            assert int(pending[i]) == out[i][-1]
+    for i in range(3):
+        assert out[i] == ref[i][:len(out[i])]
+    assert accepted_seen == set(range(K + 1))
+    # The cache holds exactly prompt + emitted tokens but the pending one: rebuild it plainly.
+    plain = decode.init_cache(model, 3, PAD)
+    for i in range(3):
+        assert int(cache["length"][i]) == lengths[i] + len(out[i]) - 1
+    n_max = max(int(x) for x in cache["length"])
+    seqs = np.zeros((3, n_max), np.int32)
+    for i, p in enumerate(prompts):
+        full = p + out[i][:-1]
+        seqs[i, :len(full)] = full
+    _, plain = jax.jit(lambda t, c, n: decode.extend(model, t, c, n))(jnp.asarray(seqs), plain, cache["length"])
+    is_kda = lambda d: isinstance(d, dict) and "state" in d  # noqa: E731
+    for a, b in zip(jax.tree.leaves(cache["layers"], is_leaf=is_kda), jax.tree.leaves(plain["layers"], is_leaf=is_kda)):
+        if isinstance(a, dict):
+            for key in a:
+                np.testing.assert_allclose(np.asarray(a[key]), np.asarray(b[key]), atol=2e-5, rtol=1e-4)
