@@ -248,3 +248,29 @@ def test_speculative_decoding_equals_greedy_for_any_acceptance(style):
         if isinstance(a, dict):
             for key in a:
                 np.testing.assert_allclose(np.asarray(a[key]), np.asarray(b[key]), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_prefix_cache_hits_equal_scratch(style):
+    from k3.prefix_cache import PrefixCache, page_hashes
+
+    model, forward, ext = _model(style)
+    pc = PrefixCache(model, max_len=PAD, page_tokens=4, state_every=2, block_pages=2, max_pages=6)
+    rng = np.random.default_rng(4)
+    a = rng.integers(0, 97, 23).tolist()
+    b = a[:19] + rng.integers(0, 97, 6).tolist()
+    c = a[:16]
+    reqs = [(a, 0), (b, 16), (a, 16), (c, 8), (b, 16)]  # (prompt, tokens expected from the cache)
+    for prompt, reused in reqs:
+        before = pc.stats["reused_tokens"]
+        logits, cache = pc.prefill(prompt)
+        assert pc.stats["reused_tokens"] - before == reused, (len(prompt), reused)
+        want = _forward_rows(forward, [prompt])[0]
+        np.testing.assert_allclose(np.asarray(logits), want[-1], atol=TOL, rtol=TOL)
+        # Decoding continues from the restored cache exactly as from scratch.
+        nxt = int(np.argmax(want[-1]))
+        lg, cache = ext(jnp.asarray([[nxt]]), cache, None)
+        np.testing.assert_allclose(np.asarray(lg[0, 0]), _forward_rows(forward, [prompt + [nxt]])[0][-1],
+                                   atol=TOL, rtol=TOL)
+    assert pc.stats["evicted_pages"] > 0  # 6 pages of room for 5 + 1 + ... distinct pages
+    assert page_hashes(b, 4)[:4] == page_hashes(a, 4)[:4] and page_hashes(b, 4)[4] != page_hashes(a, 4)[4]
