@@ -274,3 +274,13 @@ def test_prefix_cache_hits_equal_scratch(style):
                                    atol=TOL, rtol=TOL)
     assert pc.stats["evicted_pages"] > 0  # 6 pages of room for 5 + 1 + ... distinct pages
     assert page_hashes(b, 4)[:4] == page_hashes(a, 4)[:4] and page_hashes(b, 4)[4] != page_hashes(a, 4)[4]
+
+
+@pytest.mark.slow
+def test_bench_decode_runs_and_reports_both_models():
+    from experiments import bench_decode
+
+    rows = bench_decode.main(["--contexts=24", "--batch=2", "--steps=3", "--d_model=64", "--n_layers=4",
+                              "--dtype=float32"])
+    assert [r["model"] for r in rows] == ["k3", "all_mla"]
+    assert all(r["tokens_per_s"] > 0 and r["cache_bytes"] > 0 for r in rows)
