@@ -7,3 +7,12 @@ import flax
 flax.config.update("flax_always_shard_variable", False)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `k3.generate` without importing the model code on every `import k3.<module>`.
+    if name == "generate":
+        from k3.decode import generate
+
+        return generate
+    raise AttributeError(f"module 'k3' has no attribute {name!r}")

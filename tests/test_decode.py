@@ -163,6 +163,9 @@ def test_sampling_is_seeded_and_top_k_restricts():
     assert int(decode.sample_logits(logits, None, 0.0)[0]) == 1
     with pytest.raises(ValueError, match="at least one token"):
         decode.generate(graphdef, params, rest, [[]], 3)
+    import k3
+
+    assert k3.generate is decode.generate
 
 
 def test_cache_bytes_match_the_layer_formula():
