@@ -109,15 +109,43 @@ def sample_logits(logits_BV: jax.Array, key, temperature: float, top_k: int = 0)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def prefill(model, tokens_BP: jax.Array, lengths_B: jax.Array, cache: dict, chunk: int = 0):
+    """Prefills right-padded prompts: (logits [B, V] after each row's last token, cache).
+
+    tokens: int [B, P]; lengths: int [B] (>= 1). ``chunk`` > 0 runs the prompt in pieces of that
+    many tokens (P must be a multiple of it), which bounds the MLA score buffer [B, H, chunk, S].
+    """
+    B, P = tokens_BP.shape
+    rows = jnp.arange(B)
+    if chunk <= 0 or chunk >= P:
+        logits, cache = extend(model, tokens_BP, cache, lengths_B)
+        return logits[rows, lengths_B - 1], cache
+    if P % chunk:
+        raise ValueError(f"prompt width {P} is not a multiple of the prefill chunk {chunk}")
+
+    def piece(carry, c):
+        cache, last = carry
+        toks = jax.lax.dynamic_slice_in_dim(tokens_BP, c * chunk, chunk, axis=1)
+        n = jnp.clip(lengths_B - c * chunk, 0, chunk)
+        logits, cache = extend(model, toks, cache, n)
+        mine = (n > 0) & (lengths_B <= (c + 1) * chunk)  # the row's last token is in this piece
+        last = jnp.where(mine[:, None], logits[rows, jnp.maximum(n - 1, 0)], last)
+        return (cache, last), None
+
+    V = model.lm_head.shape[-1]
+    (cache, last), _ = jax.lax.scan(piece, (cache, jnp.zeros((B, V), jnp.float32)), jnp.arange(P // chunk))
+    return last, cache
+
+
 @functools.lru_cache(maxsize=16)
-def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k: int, pad_id: int):
+def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k: int, pad_id: int,
+                 prefill_chunk: int):
     @jax.jit
     def run(params, rest, tokens_BP, lengths_B, stop_ids, key):
         model = nnx.merge(graphdef, params, rest)
         B = tokens_BP.shape[0]
         cache = init_cache(model, B, max_len)
-        logits, cache = extend(model, tokens_BP, cache, lengths_B)
-        last = logits[jnp.arange(B), lengths_B - 1]
+        last, cache = prefill(model, tokens_BP, lengths_B, cache, prefill_chunk)
 
         def step(carry, _):
             cache, last, key, done = carry
@@ -135,12 +163,13 @@ def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k
 
 def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, stop_tokens: Sequence[int] = (), seed: int = 0,
-             pad_id: int = 0) -> list[list[int]]:
+             pad_id: int = 0, prefill_chunk: int = 512) -> list[list[int]]:
     """Continues each prompt (a batch of different lengths) by up to ``max_new_tokens`` tokens.
 
     One jitted program: a right-padded prefill of all prompts, then a scan of decode steps. A row
     stops after emitting one of ``stop_tokens`` (included in its output). Greedy when
     ``temperature`` <= 0. ``graphdef, params, rest``: the model as `nnx.split(model, nnx.Param, ...)`.
+    Prompts longer than ``prefill_chunk`` are prefilled in pieces of that many tokens.
     Returns the new tokens of each row.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -148,13 +177,16 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     P = max(len(p) for p in prompts)
+    if prefill_chunk > 0 and P > prefill_chunk:
+        P = -(-P // prefill_chunk) * prefill_chunk
     tokens = np.full((len(prompts), P), pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     # Capacity rounded up so that nearby prompt lengths reuse one compiled program.
     max_len = -(-(P + max_new_tokens) // 64) * 64
-    fn = _generate_fn(graphdef, max_new_tokens, max_len, float(temperature), int(top_k), int(pad_id))
+    fn = _generate_fn(graphdef, max_new_tokens, max_len, float(temperature), int(top_k), int(pad_id),
+                      int(prefill_chunk) if P > prefill_chunk > 0 else 0)
     stop_ids = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     out = np.asarray(fn(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), stop_ids, jax.random.key(seed)))
     stops = set(int(s) for s in stop_tokens)

@@ -143,6 +143,8 @@ def test_generate_greedy_equals_recompute_and_stops(style):
         for _ in range(6):
             ids.append(int(np.argmax(np.asarray(forward(jnp.asarray([ids])))[0, -1])))
         assert out == ids[len(p):]
+    # Prefilling in pieces of 3 tokens (rows end in different pieces) changes nothing.
+    assert decode.generate(graphdef, params, rest, prompts, 6, prefill_chunk=3) == got
     # Stop tokens end a row (the stop token is kept); other rows run on.
     stop = got[1][2]
     cut = decode.generate(graphdef, params, rest, prompts, 6, stop_tokens=[stop])
