@@ -15,6 +15,7 @@ from tests.conftest import tiny_model_cfg
 TOL = 1e-4
 # The K3 variants of the longer checks compile a 13-layer hybrid several times: CI's slow set.
 STYLES_SLOW_K3 = [pytest.param("k3", marks=pytest.mark.slow), "k2"]
+STYLES_SLOW = [pytest.param("k3", marks=pytest.mark.slow), pytest.param("k2", marks=pytest.mark.slow)]
 
 
 def _cfg(style):
@@ -69,7 +70,7 @@ def test_token_by_token_decode_equals_forward(style):
     assert cache["length"].tolist() == [T, T]
 
 
-@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+@pytest.mark.parametrize("style", STYLES_SLOW)
 def test_chunked_prefill_and_single_token_prompt(style):
     """A prompt prefilled in uneven pieces (one longer than KDA's chunk) and a one-token prompt."""
     model, forward, ext = _model(style)
@@ -83,7 +84,7 @@ def test_chunked_prefill_and_single_token_prompt(style):
     np.testing.assert_allclose(np.concatenate(pieces, 1), np.stack(want), atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+@pytest.mark.parametrize("style", STYLES_SLOW)
 def test_ragged_prompts_in_one_batch(style):
     """Right-padded prompts of lengths 1, 4 and 6 share one prefill; decoding continues per row."""
     model, forward, ext = _model(style)
@@ -107,6 +108,7 @@ def test_ragged_prompts_in_one_batch(style):
         np.testing.assert_allclose(np.concatenate(got[i], 0), want, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.slow
 def test_padding_rows_leave_state_untouched():
     """Padding tokens (past n_valid) change neither the KDA state, the conv rings nor the length."""
     model, _, ext = _model("k3")
