@@ -47,13 +47,14 @@ def _model(style):
     return model, forward, ext
 
 
+@pytest.mark.slow
 def test_layouts_cover_head_body_tail():
     k3, k2 = _model("k3")[0], _model("k2")[0]
     assert k3.head_idx == (0, 1, 2, 3) and k3.body_repeats == 2 and k3.tail_idx == (12,)
     assert k2.head_idx == (0,) and k2.body_repeats == 4
 
 
-@pytest.mark.parametrize("style", ["k3", "k2"])
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
 def test_token_by_token_decode_equals_forward(style):
     model, forward, ext = _model(style)
     B, T, P = 2, 19, 6
@@ -134,7 +135,7 @@ def test_padding_rows_leave_state_untouched():
     assert n_kda == 6  # 3 KDA layers in the head, 3 KDA positions of the scanned body (stacked)
 
 
-@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+@pytest.mark.parametrize("style", STYLES_SLOW)
 def test_generate_greedy_equals_recompute_and_stops(style):
     model, forward, _ = _model(style)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -299,6 +299,7 @@ def test_load_points_dedupes_keeping_last(tmp_path):
     assert sigma == pytest.approx(POOLED_SIGMA, rel=1e-9) and info == {"n_groups": 2, "n_runs": 5}
 
 
+@pytest.mark.slow
 def test_fit_cli_end_to_end(tmp_path, capsys):
     d = _write_results(str(tmp_path / "res"))
     assert F.main(["--results", d, "--bootstrap", "200", "--bootstrap_e", "20", "--starts", "20"]) == 0
