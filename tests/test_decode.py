@@ -199,7 +199,7 @@ def test_full_k3_cache_grows_a_quarter_of_all_mla():
     assert a["fixed"] == 69 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 4) + 4  # fp32 states, conv rings, length
 
 
-@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+@pytest.mark.parametrize("style", STYLES_SLOW)
 def test_speculative_decoding_equals_greedy_for_any_acceptance(style):
     """Drafts taken from the true greedy continuation and corrupted at a random place per row and
     step (including all-right and all-wrong): the emitted tokens equal plain greedy decoding, and the
@@ -258,7 +258,7 @@ def test_speculative_decoding_equals_greedy_for_any_acceptance(style):
                 np.testing.assert_allclose(np.asarray(a[key]), np.asarray(b[key]), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+@pytest.mark.parametrize("style", STYLES_SLOW)
 def test_prefix_cache_hits_equal_scratch(style):
     from k3.prefix_cache import PrefixCache, page_hashes
 
