@@ -116,15 +116,19 @@ class MLA(nnx.Module):
                        if a.output_gate else None)
         self.w_o = param(rngs, init, (H, a.v_head_dim, D), ("heads", "head_dim", "embed"))
 
+    def _project_q(self, x_BTD):
+        """Queries before RoPE: [B, T, H, nope + rope] (x already in the compute dtype)."""
+        dt = self.dtype
+        if self.q_a is not None:
+            q = jnp.einsum("btd,dr->btr", x_BTD, cast(self.q_a, dt))
+            return jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
+        return jnp.einsum("btd,dhk->bthk", x_BTD, cast(self.q_b, dt))
+
     def project_qkv(self, x_BTD, positions_BT):
         """q, k: [B, T, H, nope + rope]; v: [B, T, H, v_dim] (RoPE applied when configured)."""
         dt = self.dtype
         x = x_BTD.astype(dt)
-        if self.q_a is not None:
-            q = jnp.einsum("btd,dr->btr", x, cast(self.q_a, dt))
-            q = jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
-        else:
-            q = jnp.einsum("btd,dhk->bthk", x, cast(self.q_b, dt))
+        q = self._project_q(x)
         kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
         c_kv, k_rope = kv[..., : self.kv_lora], kv[..., self.kv_lora:]
         kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), cast(self.kv_b, dt))
@@ -189,11 +193,7 @@ class MLA(nnx.Module):
         B, T, _ = x.shape
         S = cache["c_kv"].shape[1]
         positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        if self.q_a is not None:
-            q = jnp.einsum("btd,dr->btr", x, cast(self.q_a, dt))
-            q = jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
-        else:
-            q = jnp.einsum("btd,dhk->bthk", x, cast(self.q_b, dt))
+        q = self._project_q(x)
         kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
         c_kv, k_rope = self.kv_norm(kv[..., : self.kv_lora]), kv[..., self.kv_lora:]
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
