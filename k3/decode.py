@@ -69,32 +69,58 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
     emb = jnp.take(model.embed[...], tokens_BT, axis=0).astype(model.dtype)
     stream = attn_res.init_stream(emb, model.residual, model.n_slots)
     layers = cache["layers"]
+
+    def update(c, upd, r=None):
+        """The layer cache ``c`` after its layer's update (``r``: the repeat, for stacked caches)."""
+        if "c_kv" in c:  # MLA: scatter only the new rows, in place
+            return {k: write_rows(c[k], upd[k], start, r) for k in c}
+        if r is None:
+            return upd
+        return jax.tree.map(lambda C, u: jax.lax.dynamic_update_index_in_dim(C, u.astype(C.dtype), r, 0), c, upd)
+
     new = {"head": [], "body": [], "tail": []}
     for i, layer, c in zip(model.head_idx, model.head_layers, layers["head"]):
-        stream, c = layer.extend(stream, c, i, start, n_valid, keep_inputs)
-        new["head"].append(c)
+        stream, upd = layer.extend(stream, c, i, start, n_valid, keep_inputs)
+        new["head"].append(update(c, upd))
     if model.body is not None:
         graphdef, state = nnx.split(model.body)
         period = model.body_period
 
-        def group_step(carry, xs):
-            stream, first = carry
-            state_r, caches_r = xs
+        def group_step(carry, state_r):
+            # The stacked caches ride in the carry and are updated in place; a scan's xs -> ys would
+            # copy every layer's whole cache each step.
+            stream, r, caches = carry
             group = nnx.merge(graphdef, state_r)
-            out = []
-            for j, (layer, c) in enumerate(zip(group.layers, caches_r)):
-                stream, c = layer.extend(stream, c, first + j, start, n_valid, keep_inputs)
-                out.append(c)
-            return (stream, first + period), out
+            caches, kept = list(caches), []
+            for j, layer in enumerate(group.layers):
+                c = jax.tree.map(lambda C: jax.lax.dynamic_index_in_dim(C, r, 0, keepdims=False), caches[j])
+                stream, upd = layer.extend(stream, c, model.body_start + r * period + j, start, n_valid,
+                                           keep_inputs)
+                kept.append(upd.pop("inputs") if "inputs" in upd else None)
+                caches[j] = update(caches[j], upd, r)
+            return (stream, r + 1, caches), kept
 
-        (stream, _), new["body"] = jax.lax.scan(
-            group_step, (stream, jnp.asarray(model.body_start, jnp.int32)), (state, layers["body"]))
+        (stream, _, body), kept = jax.lax.scan(
+            group_step, (stream, jnp.asarray(0, jnp.int32), list(layers["body"])), state)
+        new["body"] = [c if k is None else {**c, "inputs": k} for c, k in zip(body, kept)]
     for i, layer, c in zip(model.tail_idx, model.tail_layers, layers["tail"]):
-        stream, c = layer.extend(stream, c, i, start, n_valid, keep_inputs)
-        new["tail"].append(c)
+        stream, upd = layer.extend(stream, c, i, start, n_valid, keep_inputs)
+        new["tail"].append(update(c, upd))
     h = model.final_norm(attn_res.read(stream, model.out_mix))
     logits = jnp.einsum("btd,dv->btv", h, cast(model.lm_head, model.dtype)).astype(jnp.float32)
     return logits, {"layers": new, "length": start + n_valid}
+
+
+def write_rows(cache_BSX: jax.Array, rows_BTX: jax.Array, start_B: jax.Array, r=None) -> jax.Array:
+    """Writes row b's T new entries at positions start_B[b] + t of an MLA cache array [B, S, X]
+    (or of repeat ``r`` of a stacked one [R, B, S, X]); positions past S are dropped."""
+    B, T = rows_BTX.shape[:2]
+    pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rows = rows_BTX.astype(cache_BSX.dtype)
+    if r is None:
+        return cache_BSX.at[b, pos].set(rows, mode="drop")
+    return cache_BSX.at[r, b, pos].set(rows, mode="drop")
 
 
 def sample_logits(logits_BV: jax.Array, key, temperature: float, top_k: int = 0) -> jax.Array:

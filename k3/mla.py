@@ -179,19 +179,24 @@ class MLA(nnx.Module):
 
     def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array,
                keep_inputs: bool = False):
-        """Attends T new tokens per row to the cached ones and themselves; returns (y, new cache).
+        """Attends T new tokens per row to the cached ones and themselves; returns (y [B, T, D], rows).
 
-        Row b's new tokens sit at positions start_B[b] + t. They are written to the cache (tokens
-        past a row's ``n_valid_B[b]`` too: they lie beyond its length, are never attended to by a
-        valid query and are overwritten by the next call). Weight absorption: the queries move into
-        the latent space (q_nope W_kb_k) and the attention output leaves it through W_kb_v, so the
-        cache is never expanded to per-head keys and values.
+        Row b's new tokens sit at positions start_B[b] + t; the cache's positions below start_B[b]
+        are the row's past. ``rows``: the new tokens' cache entries, {'c_kv': [B, T, kv_lora],
+        'k_rope': [B, T, rope]} in the cache dtype, for the caller to write at those positions
+        (`k3.decode.write_rows`). The layer never writes the cache itself: inside a scan over
+        stacked layers a written copy would cost a whole layer cache per step, where the caller's
+        scatter into its carry writes T rows in place. Tokens past a row's ``n_valid_B[b]`` are
+        returned too: they lie beyond its length, no valid query attends to them, and the next call
+        overwrites them. Weight absorption: the queries move into the latent space (q_nope W_kb_k)
+        and the output leaves it through W_kb_v, so the cache is never expanded to per-head keys.
         """
         del n_valid_B, keep_inputs  # a rollback only shortens the row's length: nothing to keep
         dt = self.dtype
         x = x_BTD.astype(dt)
         B, T, _ = x.shape
-        S = cache["c_kv"].shape[1]
+        c_old, r_old = cache["c_kv"], cache["k_rope"]
+        S, cd, f32 = c_old.shape[1], c_old.dtype, jnp.float32
         positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         q = self._project_q(x)
         kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
@@ -200,21 +205,29 @@ class MLA(nnx.Module):
         if self.use_rope:
             q_rope = apply_rope(q_rope, positions, self.theta)
             k_rope = apply_rope(k_rope[:, :, None, :], positions, self.theta)[:, :, 0]
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        c_cache = cache["c_kv"].at[rows, positions].set(c_kv.astype(cache["c_kv"].dtype), mode="drop")
-        r_cache = cache["k_rope"].at[rows, positions].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")
-        kv_b = cast(self.kv_b, jnp.float32)
+        # The new entries are used as they will be stored, so later steps see the same values.
+        c_new, r_new = c_kv.astype(cd), k_rope.astype(r_old.dtype)
+        kv_b = cast(self.kv_b, f32)
         w_kb_k, w_kb_v = kv_b[..., : self.nope], kv_b[..., self.nope:]
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_kb_k)
-        s = (jnp.einsum("bthr,bsr->bhts", q_lat, c_cache.astype(jnp.float32))
-             + jnp.einsum("bthe,bse->bhts", q_rope.astype(jnp.float32), r_cache.astype(jnp.float32))) * self.scale
-        allowed = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal over the row
-        s = jnp.where(allowed[:, None], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        o_lat = jnp.einsum("bhts,bsr->bthr", p, c_cache.astype(jnp.float32))
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(f32), w_kb_k).astype(cd)
+        q_rope = q_rope.astype(r_old.dtype)
+        # The cache is read in its own dtype with fp32 accumulation: upcasting it first would write
+        # and re-read a copy twice its size, and at long contexts reading the cache is the step's cost.
+        s_old = (jnp.einsum("bthr,bsr->bhts", q_lat, c_old, preferred_element_type=f32)
+                 + jnp.einsum("bthe,bse->bhts", q_rope, r_old, preferred_element_type=f32))
+        s_new = (jnp.einsum("bthr,bur->bhtu", q_lat, c_new, preferred_element_type=f32)
+                 + jnp.einsum("bthe,bue->bhtu", q_rope, r_new, preferred_element_type=f32))
+        past = jnp.arange(S)[None, :] < start_B[:, None]  # [B, S]
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        s_old = jnp.where(past[:, None, None, :], s_old * self.scale, -jnp.inf)
+        s_new = jnp.where(causal[None, None], s_new * self.scale, -jnp.inf)
+        p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1).astype(cd)
+        # The output is rounded to the cache dtype, as a fused attention kernel's would be.
+        o_lat = (jnp.einsum("bhts,bsr->bthr", p[..., :S], c_old)
+                 + jnp.einsum("bhtu,bur->bthr", p[..., S:], c_new)).astype(f32)
         o = jnp.einsum("bthr,rhv->bthv", o_lat, w_kb_v)
         if self.w_gate is not None:
             gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, dt))
-            o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
+            o = o * jax.nn.sigmoid(gate.astype(f32))
         y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.w_o, dt))
-        return y, {"c_kv": c_cache, "k_rope": r_cache}
+        return y, {"c_kv": c_new, "k_rope": r_new}

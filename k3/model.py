@@ -83,7 +83,8 @@ class DecoderLayer(nnx.Module):
         return _constrain_stream(attn_res.add_ffn(stream, f), self.sharder), stats
 
     def extend(self, stream: dict, cache: dict, layer_idx, start_B, n_valid_B, keep_inputs: bool = False):
-        """Decode path of `__call__`: the mixer continues from its ``cache``; returns (stream, cache)."""
+        """Decode path of `__call__`: the mixer continues from its ``cache``; returns (stream, update):
+        a KDA layer's whole new cache, or an MLA layer's new rows (see `MLA.extend`)."""
         x = attn_res.read(stream, self.attn_mix)
         a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B, keep_inputs)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)

@@ -13,6 +13,7 @@ from k3.model import Model
 from tests.conftest import tiny_model_cfg
 
 TOL = 1e-4
+BF16_REL = 2e-2  # max |decode - forward| over max |forward| of the logits, both in bf16
 # The K3 variants of the longer checks compile a 13-layer hybrid several times: CI's slow set.
 STYLES_SLOW_K3 = [pytest.param("k3", marks=pytest.mark.slow), "k2"]
 STYLES_SLOW = [pytest.param("k3", marks=pytest.mark.slow), pytest.param("k2", marks=pytest.mark.slow)]
@@ -69,6 +70,28 @@ def test_token_by_token_decode_equals_forward(style):
     got = jnp.concatenate(outs, axis=1)
     np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=TOL)
     assert cache["length"].tolist() == [T, T]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["k3", "k2"])
+def test_bf16_decode_tracks_the_bf16_forward(style):
+    """bf16 decoding (cache read in bf16, fp32 accumulation) stays within bf16 noise of the forward."""
+    cfg = _cfg(style)
+    cfg.dtype = "bfloat16"
+    model = Model(cfg, rngs=nnx.Rngs(7))
+    B, T, P = 2, 21, 5
+    toks = jax.random.randint(jax.random.key(12), (B, T), 0, 97)
+    want = np.asarray(jax.jit(lambda t: model(t)[0])(toks), np.float32)
+    ext = jax.jit(lambda t, c: decode.extend(model, t, c))
+    cache = decode.init_cache(model, B, T + 3)
+    got, cache = ext(toks[:, :P], cache)
+    outs = [got]
+    for i in range(P, T):
+        lg, cache = ext(toks[:, i:i + 1], cache)
+        outs.append(lg)
+    got = np.asarray(jnp.concatenate(outs, axis=1), np.float32)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < BF16_REL, err
 
 
 @pytest.mark.parametrize("style", STYLES_SLOW)
@@ -289,6 +312,7 @@ def test_bench_decode_runs_and_reports_both_models():
     from experiments import bench_decode
 
     rows = bench_decode.main(["--contexts=24", "--batch=2", "--steps=3", "--d_model=64", "--n_layers=4",
-                              "--dtype=float32"])
+                              "--dtype=bfloat16"])
     assert [r["model"] for r in rows] == ["k3", "all_mla"]
+    assert all(r["weights_dtype"] == "bfloat16" for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["cache_bytes"] > 0 for r in rows)
