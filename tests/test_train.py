@@ -68,6 +68,7 @@ def learning_run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # the longest quick-set check (about 80 s); CI runs it in the slow set
 def test_resume_after_sigkill_reproduces_losses(finished_run, tmp_path):
     workdir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=8",
