@@ -100,8 +100,9 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
                 caches[j] = update(caches[j], upd, r)
             return (stream, r + 1, caches), kept
 
-        (stream, _, body), kept = jax.lax.scan(
-            group_step, (stream, jnp.asarray(0, jnp.int32), list(layers["body"])), state)
+        # Inputs kept by an earlier ``keep_inputs`` call are not part of the state.
+        body = [{k: v for k, v in c.items() if k != "inputs"} for c in layers["body"]]
+        (stream, _, body), kept = jax.lax.scan(group_step, (stream, jnp.asarray(0, jnp.int32), body), state)
         new["body"] = [c if k is None else {**c, "inputs": k} for c, k in zip(body, kept)]
     for i, layer, c in zip(model.tail_idx, model.tail_layers, layers["tail"]):
         stream, upd = layer.extend(stream, c, i, start, n_valid, keep_inputs)

@@ -94,6 +94,21 @@ def test_bf16_decode_tracks_the_bf16_forward(style):
     assert err < BF16_REL, err
 
 
+@pytest.mark.slow
+def test_cache_with_kept_inputs_extends_like_a_plain_one():
+    """A cache returned with ``keep_inputs`` (KDA inputs alongside the states) can be extended
+    directly: the next logits equal those from the plain cache."""
+    model, _, ext = _model("k3")
+    toks = jax.random.randint(jax.random.key(13), (2, 9), 0, 97)
+    kept = jax.jit(lambda t, c: decode.extend(model, t, c, keep_inputs=True))
+    _, with_inputs = kept(toks[:, :7], decode.init_cache(model, 2, PAD))
+    assert any("inputs" in c for c in with_inputs["layers"]["body"])
+    _, plain = ext(toks[:, :7], decode.init_cache(model, 2, PAD), None)
+    got, _ = ext(toks[:, 7:], with_inputs, None)
+    want, _ = ext(toks[:, 7:], plain, None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("style", STYLES_SLOW)
 def test_chunked_prefill_and_single_token_prompt(style):
     """A prompt prefilled in uneven pieces (one longer than KDA's chunk) and a one-token prompt."""
