@@ -30,13 +30,14 @@ class AttnResMix(nnx.Module):
 
     def __call__(self, cands_MBTD: jax.Array, valid_M: jax.Array) -> jax.Array:
         """Mix of the valid candidates. cands: [M, B, T, D]; valid: [M] bool -> [B, T, D]."""
-        v = cands_MBTD.astype(jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + self.eps)  # [M, B, T]
-        w = (self.query[...] * self.norm[...]).astype(jnp.float32)
-        logits = jnp.einsum("mbtd,d->mbt", v, w) * rstd
-        logits = jnp.where(valid_M[:, None, None], logits, -jnp.inf)
-        p = jax.nn.softmax(logits, axis=0)
-        return jnp.einsum("mbt,mbtd->btd", p, v).astype(cands_MBTD.dtype)
+        with jax.named_scope("attn_res"):
+            v = cands_MBTD.astype(jnp.float32)
+            rstd = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + self.eps)  # [M, B, T]
+            w = (self.query[...] * self.norm[...]).astype(jnp.float32)
+            logits = jnp.einsum("mbtd,d->mbt", v, w) * rstd
+            logits = jnp.where(valid_M[:, None, None], logits, -jnp.inf)
+            p = jax.nn.softmax(logits, axis=0)
+            return jnp.einsum("mbt,mbtd->btd", p, v).astype(cands_MBTD.dtype)
 
 
 def n_bank_slots(n_layers: int, block_size: int) -> int:

@@ -55,6 +55,7 @@ def default_config() -> ConfigDict:
     a.rope_theta = 50000.0
     a.output_gate = True  # K3: sigmoid full-rank output gate
     a.norm_eps = 1e-6  # q_a / kv_a norms
+    a.attention_impl = "auto"  # k3.mla.ATTENTION: 'auto' (cudnn on GPU, xla elsewhere), 'xla', 'cudnn', 'pallas'
 
     k = m.kda = ConfigDict()
     k.n_heads = 4
@@ -63,7 +64,8 @@ def default_config() -> ConfigDict:
     k.gate = "bounded"  # 'bounded': lower_bound*sigmoid(exp(A_log)*z); 'softplus': -exp(A_log)*softplus(z)
     k.gate_lower_bound = -5.0
     k.chunk_size = 16
-    k.impl = "chunk"  # 'chunk' = 'reference' (jnp chunked), 'recurrent' (token scan), 'pallas'
+    k.impl = "auto"  # k3.ops.kda.KDA_CORES: 'auto' (Pallas on GPU, 'chunk' elsewhere), 'chunk' = 'reference'
+    # (jnp chunked), 'recurrent' (token scan), 'pallas'
 
     e = m.moe = ConfigDict()
     e.n_experts = 8
@@ -77,6 +79,9 @@ def default_config() -> ConfigDict:
     e.hist_bins = 1000
     e.capacity_factor = 0.0  # expert-parallel all-to-all: 0 = dropless; c > 0 caps each device at c N k / P routes
     e.ep_dispatch = "auto"  # 'auto' (ragged on GPU/TPU, padded on CPU), 'padded', 'ragged'
+    e.expert_impl = "auto"  # k3.moe.EXPERT_BACKENDS: 'auto' (capacity on GPU, ragged elsewhere), 'ragged'
+    # (dropless), 'capacity' (expert_capacity x mean rows per expert, batched dense matmuls), 'dense'
+    e.expert_capacity = 1.25  # 'capacity': rows per expert / (N k / E); routes past it are dropped
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
@@ -140,7 +145,6 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.kda.gate": ("bounded", "softplus"),
-    "model.kda.impl": ("chunk", "reference", "recurrent", "pallas"),
     "model.moe.balancing": ("quantile_hist", "quantile", "sign", "none"),
     "model.moe.ep_dispatch": ("auto", "padded", "ragged", "ragged_emulated"),
     "optim.name": ("muon", "adamw"),
@@ -149,6 +153,26 @@ _CHOICES = {
     "data.tokenizer": ("bpe", "byte"),
     "data.tokens_dtype": ("uint16", "uint32"),
 }
+
+
+# Keys whose values name an entry of an implementation table (`k3.backends.Table`): the table is
+# the one list of allowed values. (module, attribute) pairs, imported when a config is validated.
+_TABLES = {
+    "model.kda.impl": ("k3.ops.kda", "KDA_CORES"),
+    "model.moe.expert_impl": ("k3.moe", "EXPERT_BACKENDS"),
+    "model.mla.attention_impl": ("k3.mla", "ATTENTION"),
+}
+
+
+def _choices(key: str):
+    if key in _CHOICES:
+        return _CHOICES[key]
+    if key in _TABLES:
+        import importlib
+
+        module, name = _TABLES[key]
+        return getattr(importlib.import_module(module), name).choices()
+    return None
 
 
 class ConfigError(ValueError):
@@ -188,8 +212,9 @@ def validate(cfg: ConfigDict) -> ConfigDict:
             ok = isinstance(val, type(default))
         if not ok:
             raise ConfigError(f"config key {key} must be {type(default).__name__}, got {val!r}")
-        if key in _CHOICES and val not in _CHOICES[key]:
-            raise ConfigError(f"config key {key} must be one of {_CHOICES[key]}, got {val!r}")
+        choices = _choices(key)
+        if choices is not None and val not in choices:
+            raise ConfigError(f"config key {key} must be one of {choices}, got {val!r}")
     m = cfg.model
     positive = ["vocab_size", "d_model", "n_layers", "dense_ffn_dim", "mla_period", "attn_res_block_size"]
     for key in positive:
@@ -215,6 +240,8 @@ def validate(cfg: ConfigDict) -> ConfigDict:
             raise ConfigError(f"config key mesh.{axis} must be a positive size or -1, got {cfg.mesh[axis]}")
     if sum(cfg.mesh[a] == -1 for a in ("data", "fsdp", "expert", "context", "tensor")) > 1:
         raise ConfigError("at most one mesh axis may be -1")
+    if not m.moe.expert_capacity > 0:
+        raise ConfigError(f"model.moe.expert_capacity must be > 0, got {m.moe.expert_capacity}")
     if m.moe.capacity_factor < 0:
         raise ConfigError(f"model.moe.capacity_factor must be >= 0, got {m.moe.capacity_factor}")
     if not math.isfinite(cfg.optim.lr) or cfg.optim.lr <= 0:

@@ -91,6 +91,7 @@ def kda_context_parallel(
     scale=None,
     initial_state=None,
     output_final_state=False,
+    matmul_dtype=None,
 ):
     """KDA over a sequence split along T into contiguous segments over mesh axis `axis_name`.
 
@@ -106,7 +107,7 @@ def kda_context_parallel(
       segment_ids: optional [B, T_l] local ids of the packed documents; None is one document per row.
         A change of id between neighbouring tokens (across a shard edge too) starts a new document.
       axis_name: the mesh axis that splits T.
-      impl, chunk_size, gate_lower_bound, scale: passed to `kda_core`.
+      impl, chunk_size, gate_lower_bound, scale, matmul_dtype: passed to `kda_core`.
       initial_state: optional [B, H, K, V] state before the global first token (the same on every
         shard of `axis_name`); applies to each row's first document.
       output_final_state: whether to also return the state after the global last token.
@@ -115,7 +116,8 @@ def kda_context_parallel(
       (o [B, T_l, H, V] in v.dtype, final_state [B, H, K, V] float32 (float64 for float64 inputs),
       identical on every shard of `axis_name`, or None).
     """
-    core_kwargs = dict(impl=impl, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound, scale=scale)
+    core_kwargs = dict(impl=impl, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound, scale=scale,
+                       matmul_dtype=matmul_dtype)
     B, T_l, H, K = jnp.shape(q)
     V = jnp.shape(v)[-1]
     if segment_ids is not None and jnp.shape(segment_ids) != (B, T_l):

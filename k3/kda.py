@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.nn import cast, normal, ones, param, rms_norm, zeros
-from k3.ops.kda import kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
+from k3.ops.kda import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
 from k3.sharding import Sharder, spec_axes
 
 
@@ -74,9 +74,12 @@ class KDA(nnx.Module):
         self.sharder = sharder
         self.n_heads, self.head_dim, self.eps = H, K, cfg.norm_eps
         self.gate_kind, self.lower_bound = k.gate, k.gate_lower_bound
-        self.impl, self.chunk_size = k.impl, k.chunk_size
+        # 'auto' is resolved here, once: the sharded path below and `extend` test the concrete name.
+        self.impl, self.chunk_size = KDA_CORES.resolve(k.impl), k.chunk_size
         self.conv_size = k.conv_size
         self.dtype = jnp.dtype(cfg.dtype)
+        # The Pallas kernel's matmuls follow the compute dtype (bf16 operands, fp32 accumulation).
+        self.matmul_dtype = "bfloat16" if self.dtype == jnp.bfloat16 else "float32"
         init = normal(cfg.init_std)
         self.w_q = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
         self.w_k = param(rngs, init, (D, H, K), ("embed", "heads", "head_dim"))
@@ -123,7 +126,7 @@ class KDA(nnx.Module):
         v = self._branch(x, self.w_v, self.conv_v, segment_ids_BT).astype(self.dtype)
         g, beta = self.gates(x)
         kwargs = dict(impl=self.impl, initial_state=initial_state, output_final_state=return_state,
-                      chunk_size=self.chunk_size,
+                      chunk_size=self.chunk_size, matmul_dtype=self.matmul_dtype,
                       gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
         sh = self.sharder
         if sh is not None and (sh.size("context") > 1 or self.impl == "pallas"):
@@ -136,7 +139,8 @@ class KDA(nnx.Module):
                 sh.mesh, q, k, v, g, beta, segment_ids_BT, batch_axes=spec_axes(sh.spec(("batch",), (B,))[0]),
                 head_axis=sh.spec(("act_heads",), (H,))[0], context_axis="context", **kwargs)
         else:
-            o, state = kda_core(q, k, v, g, beta, segment_ids=segment_ids_BT, **kwargs)
+            with jax.named_scope("kda_core"):
+                o, state = kda_core(q, k, v, g, beta, segment_ids=segment_ids_BT, **kwargs)
         o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
         gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
         o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
@@ -190,7 +194,7 @@ class KDA(nnx.Module):
         # A few tokens (decode, draft verification) run the token recurrence; a prompt the chunked core.
         impl = "recurrent" if T < self.chunk_size else self.impl
         o, state = kda_core(q, k, v, g, beta, impl=impl, initial_state=cache["state"], output_final_state=True,
-                            chunk_size=self.chunk_size,
+                            chunk_size=self.chunk_size, matmul_dtype=self.matmul_dtype,
                             gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
         o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
         gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)

@@ -4,10 +4,14 @@ q = W_qb RMSNorm(W_qa x)                               per head: [q_nope | q_rop
 [c_kv | k_rope] = W_kva x; [k_nope | v] = W_kvb RMSNorm(c_kv)    k_rope shared by all heads
 o = W_o (sigmoid(W_g x) * softmax(q k^T * (nope + rope)^-0.5) v)   (gate only in K3)
 
-K2 rotates the rope parts with RoPE; K3 leaves them unrotated (NoPE). Attention runs through
-``jax.nn.dot_product_attention`` with its default implementation (XLA's, which keeps the
-[B, H, T, T] scores for the backward pass on every backend in JAX 0.10-0.11), causal and
-restricted to the query's own document when ``segment_ids`` are given.
+K2 rotates the rope parts with RoPE; K3 leaves them unrotated (NoPE). Attention is causal and
+restricted to the query's own document when ``segment_ids`` are given; its kernel is an entry of
+`ATTENTION`, keyed by ``model.mla.attention_impl``:
+  'xla'           ``jax.nn.dot_product_attention``'s XLA form: keeps the [B, H, T, T] scores for the
+                  backward pass (every platform; the CPU default);
+  'cudnn'         cuDNN's fused flash attention, documents as a [B, 1, T, T] mask (GPU default);
+  'pallas'        JAX's Pallas (Triton) flash attention with segment ids (GPU).
+The GPU kernels need bf16/fp16 operands; with fp32 compute they run the 'xla' form instead.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3.backends import Table
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder, spec_axes
+
+ATTENTION = Table("model.mla.attention_impl", default="xla", auto={"gpu": "cudnn"})
 
 
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
@@ -42,19 +49,61 @@ def apply_rope(x_BTHR: jax.Array, positions_BT: jax.Array, theta: float) -> jax.
     return out.astype(x_BTHR.dtype)
 
 
-def attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
-    """Causal softmax attention within documents. q, k: [B,T,H,D]; v: [B,T,H,E] with E <= D.
+def _pad_v(v_BTHE, D):
+    E = v_BTHE.shape[-1]
+    return jnp.pad(v_BTHE, ((0, 0), (0, 0), (0, 0), (0, D - E))) if E < D else v_BTHE
+
+
+def _document_mask(segment_ids_BT):
+    if segment_ids_BT is None:
+        return None
+    return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+
+
+@ATTENTION.register("xla")
+def xla_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
+    """Causal softmax attention within documents. q, k: [B,T,H,D]; v: [B,T,H,E] with E <= D -> [B,T,H,E].
 
     ``jax.nn.dot_product_attention`` wants equal head dims, so v is zero-padded to D and the
     output sliced back to E.
     """
     E, D = v_BTHE.shape[-1], q_BTHD.shape[-1]
-    v = jnp.pad(v_BTHE, ((0, 0), (0, 0), (0, 0), (0, D - E))) if E < D else v_BTHE
-    mask = None
-    if segment_ids_BT is not None:
-        mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
-    out = jax.nn.dot_product_attention(q_BTHD, k_BTHD, v, mask=mask, scale=scale, is_causal=True)
+    out = jax.nn.dot_product_attention(q_BTHD, k_BTHD, _pad_v(v_BTHE, D), mask=_document_mask(segment_ids_BT),
+                                       scale=scale, is_causal=True, implementation="xla")
     return out[..., :E]
+
+
+def _low_precision(*xs) -> bool:
+    return all(x.dtype in (jnp.bfloat16, jnp.float16) for x in xs)
+
+
+@ATTENTION.register("cudnn", platforms=("gpu",))
+def cudnn_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
+    """`xla_attention` through cuDNN's fused kernel (documents as a boolean mask). Same shapes."""
+    if not _low_precision(q_BTHD, k_BTHD, v_BTHE):
+        return xla_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale)
+    E, D = v_BTHE.shape[-1], q_BTHD.shape[-1]
+    out = jax.nn.dot_product_attention(q_BTHD, k_BTHD, _pad_v(v_BTHE, D), mask=_document_mask(segment_ids_BT),
+                                       scale=scale, is_causal=True, implementation="cudnn")
+    return out[..., :E]
+
+
+@ATTENTION.register("pallas", platforms=("gpu",))
+def pallas_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
+    """`xla_attention` through JAX's Pallas (Triton) flash attention with segment ids. Same shapes."""
+    if not _low_precision(q_BTHD, k_BTHD, v_BTHE):
+        return xla_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale)
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    E, D = v_BTHE.shape[-1], q_BTHD.shape[-1]
+    out = mha(q_BTHD, k_BTHD, _pad_v(v_BTHE, D), segment_ids_BT, sm_scale=scale, causal=True)
+    return out[..., :E]
+
+
+def attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float, impl: str = "xla") -> jax.Array:
+    """Causal attention within documents through the `ATTENTION` entry ``impl``. q, k: [B,T,H,D];
+    v: [B,T,H,E] with E <= D. Returns [B,T,H,E]."""
+    return ATTENTION.get(impl)(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale)
 
 
 def max_attention_logit(q_BTHD, k_BTHD, segment_ids_BT, scale: float) -> jax.Array:
@@ -97,6 +146,7 @@ class MLA(nnx.Module):
         self.n_heads, self.nope, self.rope, self.v_dim = H, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
         self.kv_lora = a.kv_lora_rank
         self.use_rope, self.theta = a.use_rope, a.rope_theta
+        self.attend = ATTENTION.get(a.attention_impl)
         self.dtype = jnp.dtype(cfg.dtype)
         self.scale = (a.qk_nope_dim + a.qk_rope_dim) ** -0.5
         init = normal(cfg.init_std)
@@ -160,7 +210,8 @@ class MLA(nnx.Module):
                                       batch_axes=spec_axes(sh.spec(("batch",), (B,))[0]),
                                       head_axis=sh.spec(("act_heads",), (H,))[0], context_axis="context")
         else:
-            o = attention(q, k, v, segment_ids_BT, self.scale)
+            with jax.named_scope("attention_core"):
+                o = self.attend(q, k, v, segment_ids_BT, self.scale)
         max_logit = max_attention_logit(q, k, segment_ids_BT, self.scale) if return_max_logit else None
         if self.w_gate is not None:
             gate = jnp.einsum("btd,dhk->bthk", x_BTD.astype(self.dtype), cast(self.w_gate, self.dtype))

@@ -1,4 +1,4 @@
-"""Mixture of experts: sigmoid router with a selection-only bias, dropless grouped-matmul dispatch.
+"""Mixture of experts: sigmoid router with a selection-only bias; expert matmuls from a backend table.
 
 s = sigmoid(W_r x) (fp32); idx = top_k(s + b); p_i = s_i / sum_idx s * routed_scaling
 K2 (plain MoE):   y = sum_i p_i E_i(x) + Shared(x)                     experts at full width D
@@ -7,15 +7,26 @@ K3 (LatentMoE):   y = W_up RMSNorm(sum_i p_i E_i(W_down x)) + Shared(x)  experts
 The bias ``b`` is a non-trainable `RouterBias` variable: it only picks experts and is updated
 outside the optimizer from the routing statistics each call returns (see `update_router_biases`).
 Quantile balancing routes with top-(k+1) so the (k+1)-th biased score gives each token's threshold.
+
+The routed experts' matmuls are an entry of `EXPERT_BACKENDS`, keyed by ``model.moe.expert_impl``:
+  'ragged'    dropless: routes sorted by expert through ``jax.lax.ragged_dot`` (CPU/TPU default;
+              XLA's GPU lowering computes every row against every expert, E times the work);
+  'capacity'  every expert gets C = ceil(expert_capacity N k / E) rows (rounded up to 8); routes past
+              an expert's C (in token order) are dropped and counted; the experts then run as one
+              batched dense matmul [E, C, W] x [E, W, F] (GPU default: cuBLAS at full rate);
+  'dense'     every token through every expert and a one-hot pick: the simple test reference.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3 import balancing
+from k3.backends import Table
 from k3.expert_parallel import routed_experts_sharded
 from k3.ffn import GLUMLP, glu_activation
 from k3.nn import RMSNorm, cast, normal, param
@@ -26,11 +37,17 @@ class RouterBias(nnx.Variable):
     """Per-expert selection bias [E] (fp32), updated outside the optimizer."""
 
 
-def ragged_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+EXPERT_BACKENDS = Table("model.moe.expert_impl", default="ragged", auto={"gpu": "capacity"})
+
+
+@EXPERT_BACKENDS.register("ragged")
+def ragged_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas, capacity=0.0):
     """Dropless expert FFN: each token row through each of its k experts, sorted into groups.
 
-    x: [N, D]; idx: [N, k] expert ids; weights [E, D, F] / [E, F, D]. Returns [N, k, D] in x.dtype.
+    x: [N, D]; idx: [N, k] expert ids; weights [E, D, F] / [E, F, D]. Returns ([N, k, D] in
+    x.dtype, dropped routes = 0); ``capacity`` is unused.
     """
+    del capacity
     N, k = idx_Nk.shape
     E = w_gate_EDF.shape[0]
     flat_expert = idx_Nk.reshape(-1)
@@ -44,16 +61,63 @@ def ragged_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, b
     out_sorted = jax.lax.ragged_dot(h, w_down_EFD, group_sizes)
     # Gather back through the inverse permutation: cheaper to differentiate than a scatter.
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return out_sorted[inverse].reshape(N, k, -1)
+    return out_sorted[inverse].reshape(N, k, -1), jnp.zeros((), jnp.int32)
 
 
-def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+def expert_capacity(n_routes: int, n_experts: int, factor: float) -> int:
+    """Rows per expert of the 'capacity' backend: ceil(factor * n_routes / E), rounded up to 8."""
+    return max(8, -(-math.ceil(factor * n_routes / n_experts) // 8) * 8)
+
+
+def capacity_slots(idx_Nk: jax.Array, n_experts: int, capacity: int):
+    """Where each route goes in the [E * C] expert buffer: (slot [N k] int32, E*C when dropped;
+    route per slot [E * C] int32, N k when the slot is empty). Routes keep token order per expert."""
+    flat = idx_Nk.reshape(-1)
+    R = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    counts = jnp.bincount(flat, length=n_experts)
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+    pos_sorted = jnp.arange(R, dtype=jnp.int32) - starts[e_sorted]
+    slot_sorted = jnp.where(pos_sorted < capacity, e_sorted * capacity + pos_sorted, n_experts * capacity)
+    slot = jnp.zeros((R,), jnp.int32).at[order].set(slot_sorted)
+    route_of_slot = jnp.full((n_experts * capacity + 1,), R, jnp.int32).at[slot].set(
+        jnp.arange(R, dtype=jnp.int32))[:-1]
+    return slot, route_of_slot
+
+
+@EXPERT_BACKENDS.register("capacity")
+def capacity_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas, capacity=1.25):
+    """Expert FFN with a fixed number of rows per expert, as batched dense matmuls.
+
+    x: [N, D]; idx: [N, k]; weights [E, D, F] / [E, F, D]; ``capacity``: rows per expert as a multiple
+    of the mean load N k / E (`expert_capacity`). Returns ([N, k, D] in x.dtype, zero for dropped
+    routes; the number of dropped routes, int32). Both data movements are gathers, whose gradients
+    are scatter-adds of the same rows.
+    """
+    N, k = idx_Nk.shape
+    E = w_gate_EDF.shape[0]
+    C = expert_capacity(N * k, E, capacity)
+    slot, route_of_slot = capacity_slots(idx_Nk, E, C)
+    x_pad = jnp.concatenate([x_ND, jnp.zeros((1, x_ND.shape[1]), x_ND.dtype)], axis=0)
+    xs = x_pad[route_of_slot // k].reshape(E, C, -1)  # empty slots read the zero row N
+    gate = jnp.einsum("ecd,edf->ecf", xs, w_gate_EDF)
+    up = jnp.einsum("ecd,edf->ecf", xs, w_up_EDF)
+    out = jnp.einsum("ecf,efd->ecd", glu_activation(gate, up, activation, *betas), w_down_EFD)
+    out_pad = jnp.concatenate([out.reshape(E * C, -1), jnp.zeros((1, out.shape[-1]), out.dtype)], axis=0)
+    dropped = jnp.sum(slot == E * C).astype(jnp.int32)
+    return out_pad[slot].reshape(N, k, -1), dropped
+
+
+@EXPERT_BACKENDS.register("dense")
+def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas, capacity=0.0):
     """Test reference for `ragged_experts`: every token through every expert, then a one-hot pick."""
+    del capacity
     gate = jnp.einsum("nd,edf->nef", x_ND, w_gate_EDF)
     up = jnp.einsum("nd,edf->nef", x_ND, w_up_EDF)
     out = jnp.einsum("nef,efd->ned", glu_activation(gate, up, activation, *betas), w_down_EFD)
     onehot = jax.nn.one_hot(idx_Nk, w_gate_EDF.shape[0], dtype=out.dtype)  # [N, k, E]
-    return jnp.einsum("nke,ned->nkd", onehot, out)
+    return jnp.einsum("nke,ned->nkd", onehot, out), jnp.zeros((), jnp.int32)
 
 
 class MoE(nnx.Module):
@@ -70,7 +134,8 @@ class MoE(nnx.Module):
         self.balancing, self.hist_bins = e.balancing, e.hist_bins
         self.activation, self.betas = cfg.activation, (cfg.situ_beta_gate, cfg.situ_beta_up)
         self.dtype = jnp.dtype(cfg.dtype)
-        self.dispatch = "ragged"
+        self.experts = EXPERT_BACKENDS.get(e.expert_impl)
+        self.expert_capacity = e.expert_capacity
         init = normal(cfg.init_std)
         self.router = param(rngs, init, (D, E), ("embed", "experts"))
         self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=("experts",))
@@ -111,8 +176,10 @@ class MoE(nnx.Module):
             y, stats = self._routed_sharded(h, idx, weights, scores, alpha, (B, T), w_gate, w_up, w_down)
         else:
             stats = self.stats(idx, scores, alpha)
-            experts = ragged_experts if self.dispatch == "ragged" else dense_experts
-            out_NkL = experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas)
+            with jax.named_scope("routed_experts"):
+                out_NkL, dropped = self.experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas,
+                                                self.expert_capacity)
+            stats["dropped"] = dropped.astype(jnp.float32)
             y = jnp.einsum("nkl,nk->nl", out_NkL.astype(jnp.float32), weights)
         y = y.astype(self.dtype)
         if self.w_up_latent is not None:

@@ -33,6 +33,7 @@ from k3 import optim, sharding
 from k3.config import ConfigError, validate
 from k3.data import DataError, build_datasets
 from k3.model import Model, apply_qk_clip, cross_entropy, update_router_biases
+from k3.moe import EXPERT_BACKENDS
 from k3.params import count_params, flops_per_token
 
 
@@ -205,10 +206,11 @@ def make_run(cfg) -> tuple[Run, dict]:
         stats = _combine_stats(aux_A["layer_stats"], cfg.model.moe.balancing)
         loads = jnp.sum(aux_A["expert_load"], axis=0)
         grad_norm = optax.global_norm(grads)
-        updates, opt = tx.update(grads, state["opt"], params)
-        if external_lr:
-            updates = jax.tree.map(lambda u: (u * state["lr"]).astype(u.dtype), updates)
-        params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt = tx.update(grads, state["opt"], params)
+            if external_lr:
+                updates = jax.tree.map(lambda u: (u * state["lr"]).astype(u.dtype), updates)
+            params = optax.apply_updates(params, updates)
         model = nnx.merge(graphdef, params, rest)
         n_tokens = batch["inputs"].size
         update_router_biases(model, stats, cfg.model.moe, n_tokens)
@@ -280,7 +282,7 @@ IDENTITY_SECTIONS = ("model", "data", "optim", "seed")
 
 
 # Knobs inside the identity sections that change how, not what, is computed.
-NOT_IDENTITY = ("model.moe.ep_dispatch",)
+NOT_IDENTITY = ("model.moe.ep_dispatch", "model.kda.impl", "model.mla.attention_impl")
 
 
 def run_identity(cfg) -> dict:
@@ -473,6 +475,9 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len, counts)["full"]
     peak = device_peak_flops(cfg.train.peak_flops)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    # Routes can be dropped by a capacity: the expert-parallel one, or the 'capacity' expert backend.
+    can_drop = ((run.sharder is not None and cfg.model.moe.capacity_factor > 0)
+                or EXPERT_BACKENDS.resolve(cfg.model.moe.expert_impl) == "capacity")
     writer = _tb_writer(workdir) if primary else _NullWriter()
     bar = _progress(cfg, start, enabled=primary)
     last = {}
@@ -497,7 +502,7 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
                 last = {"step": done, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                         "tokens_per_s": tps, "mfu": (tps * flops_tok / peak) if peak and tps else None,
                         "expert_imbalance": [round(float(x), 4) for x in m["expert_imbalance"]]}
-                if run.sharder is not None and cfg.model.moe.capacity_factor > 0:
+                if can_drop:
                     last["dropped_routes"] = float(m["dropped_routes"])
                 log.write(json.dumps(last) + "\n")
                 log.flush()

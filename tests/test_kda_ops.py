@@ -329,14 +329,14 @@ def test_kda_core_pallas_forwards_kwargs(monkeypatch):
     seg = jnp.zeros((1, 6), jnp.int32)
     out = kda.kda_core(
         q, k, v, g, beta, impl="pallas", scale=0.5, initial_state=h0, output_final_state=True,
-        segment_ids=seg, chunk_size=32,
+        segment_ids=seg, chunk_size=32, matmul_dtype="bfloat16",
     )  # fmt: skip
     assert out == ("o", "S")
     (args, kwargs), = calls
     assert len(args) == 5 and args[0] is q
     assert kwargs == dict(
         scale=0.5, initial_state=h0, output_final_state=True, segment_ids=seg, chunk_size=32,
-        lower_bound=-5.0,
+        lower_bound=-5.0, matmul_dtype="bfloat16",
     )
 
 

@@ -8,7 +8,8 @@ from flax import nnx
 
 from conftest import forward, tiny_model_cfg
 from k3.model import Model, update_router_biases
-from k3.moe import MoE, dense_experts, ragged_experts
+from k3.moe import EXPERT_BACKENDS, MoE, capacity_experts, capacity_slots, dense_experts, expert_capacity, \
+    ragged_experts
 
 
 def _x(key, shape):
@@ -22,12 +23,12 @@ def test_ragged_dispatch_equals_dense_reference(activation):
     idx = jax.random.randint(jax.random.key(1), (N, k), 0, E)
     idx = idx.at[:5].set(2)  # a popular expert, and some experts likely empty
     wg, wu, wd = _x(2, (E, D, F)), _x(3, (E, D, F)), _x(4, (E, F, D))
-    ragged = ragged_experts(x, idx, wg, wu, wd, activation, (4.0, 25.0))
-    dense = dense_experts(x, idx, wg, wu, wd, activation, (4.0, 25.0))
+    ragged, _ = ragged_experts(x, idx, wg, wu, wd, activation, (4.0, 25.0))
+    dense, _ = dense_experts(x, idx, wg, wu, wd, activation, (4.0, 25.0))
     np.testing.assert_allclose(ragged, dense, rtol=1e-5, atol=1e-5)
     # Gradients agree too.
     def loss(fn, wg):
-        return jnp.sum(fn(x, idx, wg, wu, wd, activation, (4.0, 25.0)) ** 2)
+        return jnp.sum(fn(x, idx, wg, wu, wd, activation, (4.0, 25.0))[0] ** 2)
     np.testing.assert_allclose(jax.grad(lambda w: loss(ragged_experts, w))(wg),
                                jax.grad(lambda w: loss(dense_experts, w))(wg), rtol=1e-4, atol=1e-4)
 
@@ -43,7 +44,7 @@ def test_moe_layer_ragged_equals_dense_and_shapes(latent):
     assert float(stats["load"].sum()) == 2 * 9 * cfg.moe.top_k
     width = latent or cfg.d_model
     assert moe.w_gate.shape == (cfg.moe.n_experts, width, cfg.moe.expert_dim)
-    moe.dispatch = "dense"
+    moe.experts = dense_experts
     y_dense, _ = moe(x)
     np.testing.assert_allclose(y, y_dense, rtol=1e-5, atol=1e-5)
 
@@ -92,3 +93,72 @@ def test_update_router_biases_on_scanned_model(balancing):
         def worst(load):
             return float((load.max(-1) / load.mean(-1)).max())
         assert worst(aux2["expert_load"]) < worst(aux["expert_load"])
+
+
+def _capacity_reference(x, idx, ws, C):
+    """Float64 loop: route j of token n is kept when fewer than C earlier routes (token order, then
+    route order) went to its expert; dropped routes give 0."""
+    x, ws = np.asarray(x, np.float64), [np.asarray(w, np.float64) for w in ws]
+    N, k = idx.shape
+    out, used, dropped = np.zeros((N, k, x.shape[1])), {}, 0
+    for n in range(N):
+        for j in range(k):
+            e = int(idx[n, j])
+            if used.get(e, 0) >= C:
+                dropped += 1
+                continue
+            used[e] = used.get(e, 0) + 1
+            g, u = x[n] @ ws[0][e], x[n] @ ws[1][e]
+            out[n, j] = (g / (1 + np.exp(-g)) * u) @ ws[2][e]
+    return out, dropped
+
+
+@pytest.mark.parametrize("N,k,E,factor", [(37, 3, 6, 1.0), (1, 2, 4, 1.25), (64, 4, 8, 0.3), (50, 2, 5, 4.0)])
+def test_capacity_experts_against_float64_loop(N, k, E, factor):
+    D, F = 8, 12
+    x = _x(N, (N, D))
+    idx = jax.random.randint(jax.random.key(N + 1), (N, k), 0, E)
+    idx = idx.at[: N // 3].set(1)  # one expert over capacity: drops (not unique per token, allowed)
+    ws = (_x(2, (E, D, F)), _x(3, (E, D, F)), _x(4, (E, F, D)))
+    C = expert_capacity(N * k, E, factor)
+    assert C % 8 == 0 and C >= factor * N * k / E
+    out, dropped = capacity_experts(x, idx, *ws, "swiglu", (4.0, 25.0), factor)
+    ref, ref_dropped = _capacity_reference(x, np.asarray(idx), ws, C)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    assert int(dropped) == ref_dropped
+    # Undropped everywhere -> same as the dropless backends, gradients included.
+    if ref_dropped == 0:
+        def loss(fn, wg):
+            return jnp.sum(fn(x, idx, wg, ws[1], ws[2], "swiglu", (4.0, 25.0), factor)[0] ** 2)
+        np.testing.assert_allclose(jax.grad(lambda w: loss(capacity_experts, w))(ws[0]),
+                                   jax.grad(lambda w: loss(ragged_experts, w))(ws[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_capacity_gradient_of_inputs_matches_reference_with_drops():
+    N, k, E, D, F = 40, 2, 4, 8, 8
+    x = _x(9, (N, D))
+    idx = jnp.concatenate([jnp.zeros((N, 1), jnp.int32), jax.random.randint(jax.random.key(3), (N, 1), 1, E)], 1)
+    ws = (_x(2, (E, D, F)), _x(3, (E, D, F)), _x(4, (E, F, D)))
+    C = expert_capacity(N * k, E, 0.5)  # expert 0 gets N routes, keeps C of them
+    slot, route_of_slot = capacity_slots(idx, E, C)
+    kept = np.asarray(slot) < E * C
+    assert kept.sum() == N * k - int(capacity_experts(x, idx, *ws, "swiglu", (4.0, 25.0), 0.5)[1])
+    assert sorted(np.asarray(route_of_slot)[np.asarray(route_of_slot) < N * k]) == list(np.flatnonzero(kept))
+    mask = jnp.asarray(kept.reshape(N, k, 1), jnp.float32)
+
+    def loss_cap(x):
+        return jnp.sum(capacity_experts(x, idx, *ws, "swiglu", (4.0, 25.0), 0.5)[0] ** 2)
+
+    def loss_ref(x):
+        return jnp.sum((dense_experts(x, idx, *ws, "swiglu", (4.0, 25.0))[0] * mask) ** 2)
+    np.testing.assert_allclose(jax.grad(loss_cap)(x), jax.grad(loss_ref)(x), rtol=1e-4, atol=1e-4)
+
+
+def test_expert_backend_table_and_dropped_count_in_stats():
+    assert set(EXPERT_BACKENDS.choices()) >= {"auto", "ragged", "capacity", "dense"}
+    assert EXPERT_BACKENDS.resolve("auto", "gpu") == "capacity"
+    assert EXPERT_BACKENDS.resolve("auto", "cpu") == "ragged"
+    cfg = tiny_model_cfg(**{"moe.expert_impl": "capacity", "moe.expert_capacity": 0.25})
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    y, stats = moe(_x(5, (2, 9, cfg.d_model)))
+    assert y.shape == (2, 9, cfg.d_model) and float(stats["dropped"]) > 0

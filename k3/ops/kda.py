@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from k3.backends import Table
+
 __all__ = [
     "chunk_kda_reference",
     "kda_core",
@@ -45,7 +47,9 @@ __all__ = [
 # These are references: fp32 matmuls must not silently drop to TF32/bf16 passes on GPU/TPU.
 _PRECISION = lax.Precision.HIGHEST
 
-_IMPLS = ("chunk", "reference", "recurrent", "pallas")  # "reference" names "chunk"
+# The KDA cores by `model.kda.impl` ('reference' is another name for 'chunk'); 'auto' runs the
+# Pallas kernel on GPUs and the jnp chunked form elsewhere. Entries are registered under Dispatch.
+KDA_CORES = Table("model.kda.impl", default="chunk", auto={"gpu": "pallas"})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -490,6 +494,27 @@ def l2_normalize(x, eps=1e-6):
 # ----------------------------------------------------------------------------------------------------
 
 
+@KDA_CORES.register("chunk")
+@KDA_CORES.register("reference")
+def _chunk_core(q, k, v, g, beta, *, chunk_size, gate_lower_bound, matmul_dtype, **kwargs):
+    del gate_lower_bound, matmul_dtype
+    return chunk_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+
+
+@KDA_CORES.register("recurrent")
+def _recurrent_core(q, k, v, g, beta, *, chunk_size, gate_lower_bound, matmul_dtype, **kwargs):
+    del chunk_size, gate_lower_bound, matmul_dtype
+    return recurrent_kda(q, k, v, g, beta, **kwargs)
+
+
+@KDA_CORES.register("pallas")
+def _pallas_core(q, k, v, g, beta, *, chunk_size, gate_lower_bound, matmul_dtype, **kwargs):
+    if gate_lower_bound is None:  # the kernel's dense sub-tiles need the bounded gate
+        return chunk_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+    return _pallas_chunk_kda()(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=gate_lower_bound,
+                               matmul_dtype=matmul_dtype, **kwargs)
+
+
 def _pallas_chunk_kda():
     try:
         module = importlib.import_module("pallas_kernels.kda")
@@ -515,6 +540,7 @@ def kda_core(
     segment_ids=None,
     chunk_size=64,
     gate_lower_bound=-5.0,
+    matmul_dtype=None,
 ):
     """The one entry point the layer calls: runs KDA with the implementation named by `impl`.
 
@@ -523,8 +549,9 @@ def kda_core(
       v: [B, T, H, V] values.
       g: [B, T, H, K] per-channel log decay (<= 0).
       beta: [B, T, H] delta-rule learning rate.
-      impl: 'chunk' or 'reference' (`chunk_kda_reference`), 'recurrent' (`recurrent_kda`) or 'pallas'
-        (`pallas_kernels.kda.chunk_kda`, imported on first use).
+      impl: a `KDA_CORES` key: 'chunk' or 'reference' (`chunk_kda_reference`), 'recurrent'
+        (`recurrent_kda`), 'pallas' (`pallas_kernels.kda.chunk_kda`, imported on first use) or 'auto'
+        (the Pallas kernel on GPUs, 'chunk' elsewhere).
       scale: query scale; defaults to K ** -0.5.
       initial_state: optional [B, H, K, V] state before the first token.
       output_final_state: whether to return the state after the last token.
@@ -533,21 +560,13 @@ def kda_core(
       gate_lower_bound: the bound g >= gate_lower_bound the gate guarantees, or None for an unbounded
         gate. The Pallas kernel relies on it (16-token sub-tiles as dense matmuls), so 'pallas' with
         None runs the chunked reference instead.
+      matmul_dtype: the Pallas kernel's matmul operand dtype ('float32' or 'bfloat16'; None: its default).
 
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
     """
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown KDA impl {impl!r}; expected one of {_IMPLS}")
+    core = KDA_CORES.get(impl)
     _validate(q, k, v, g, beta, initial_state, segment_ids)
-    kwargs = dict(
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        segment_ids=segment_ids,
-    )
-    if impl == "recurrent":
-        return recurrent_kda(q, k, v, g, beta, **kwargs)
-    if impl in ("chunk", "reference") or gate_lower_bound is None:
-        return chunk_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
-    return _pallas_chunk_kda()(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=gate_lower_bound, **kwargs)
+    return core(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                segment_ids=segment_ids, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound,
+                matmul_dtype=matmul_dtype)

@@ -1,0 +1,235 @@
+"""Where one train step's device time goes: a jax.profiler trace parsed into shares by category.
+
+    python -m experiments.profile_step --model=k3:1024:12 [--seq_len=4096] [--batch=8] [--remat]
+        [--set KEY=VALUE ...] [--steps=3] [--trace_dir=DIR] [--json=FILE]
+
+Builds the model as `experiments.bench_train_step` does, runs two warm-up steps, traces ``--steps``
+steps and reads the Perfetto JSON the profiler writes. Every device kernel is put in one category,
+from the named scope it ran under (the model marks ``routed_experts``, ``attention_core``,
+``kda_core``, ``attn_res`` and ``optimizer``) and else from its kernel name:
+
+  expert matmuls       matmul kernels under routed_experts
+  expert dispatch      the rest of routed_experts (sort, gathers, scatter-adds, activation)
+  attention            attention_core (cuDNN / Pallas / XLA attention and their backward)
+  KDA                  kda_core (the Pallas kernels or the jnp chunked form)
+  AttnRes mixes        attn_res
+  optimizer            optimizer (Muon's momentum, Adam, weight decay; its matmuls where named)
+  fp32 matmuls         fp32/TF32 GEMM kernels not named otherwise: Muon's Newton-Schulz products
+  dense matmuls        other matmul kernels (projections, dense FFN, LM head)
+  copies/transposes    memcpy/memset, copy and transpose kernels
+  norms/elementwise    everything else (fusions of elementwise work and reductions)
+
+Prints the table (ms per step and share of the summed kernel time) and the top kernels, so the
+next change starts from the measured split. The name tests are in `categorize`. On a GPU, XLA runs
+most kernels inside CUDA graphs whose trace events name the graph, not the HLO op; the kernel's own
+name (fusion names match the HLO's) is then used, and library kernels (cuBLAS, cuDNN) are told
+apart by name only. ``--no_command_buffers`` turns the graphs off (XLA_FLAGS) so every kernel keeps
+its HLO op, at some cost in launch overhead.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+if __name__ == "__main__" and "--no_command_buffers" in sys.argv:  # must precede the backend's start
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+
+import jax  # noqa: E402
+
+from experiments.bench_train_step import build_config, synthetic_batch  # noqa: E402
+from k3.train import make_run  # noqa: E402
+
+CATEGORIES = ("expert matmuls", "expert dispatch", "attention", "KDA", "AttnRes mixes", "optimizer",
+              "fp32 matmuls", "dense matmuls", "copies/transposes", "norms/elementwise")
+_MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|\bdot\b|dot_general|ragged_dot|wgmma|sm90_")
+_COPY = re.compile(r"memcpy|memset|\bcopy|transpose")
+# Library kernels (cuDNN, cuBLAS) run inside XLA's CUDA graphs carry no HLO op name in the trace, so
+# their names decide: cuDNN's fused attention, and fp32 (TF32) GEMMs, which in this train step are
+# Muon's Newton-Schulz products (the parameters and their updates are fp32; the model's matmuls bf16).
+_LIB_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop")
+_LIB_FP32_GEMM = re.compile(r"f32f32_tf32|tf32f32|sgemm")
+
+
+def categorize(name: str, context: str) -> str:
+    """The category of one kernel from its name and the text of its trace arguments (scopes, HLO op)."""
+    text = f"{name} {context}".lower()
+    matmul = bool(_MATMUL.search(text))
+    if _LIB_ATTENTION.search(name.lower()):
+        return "attention"
+    if "optimizer" in text:
+        return "optimizer"
+    if "routed_experts" in text:
+        return "expert matmuls" if matmul else "expert dispatch"
+    if "attention_core" in text:
+        return "attention"
+    if "kda_core" in text or name.startswith("kda_"):
+        return "KDA"
+    if "attn_res" in text:
+        return "AttnRes mixes"
+    if _LIB_FP32_GEMM.search(name.lower()):
+        return "fp32 matmuls"
+    if matmul:
+        return "dense matmuls"
+    if _COPY.search(text):
+        return "copies/transposes"
+    return "norms/elementwise"
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def hlo_op_context(hlo_text: str) -> dict:
+    """Instruction name -> the op_names (JAX scopes) of it and of every instruction it calls, from
+    the compiled module's HLO text. Fusions carry their root's op_name; their bodies name the rest."""
+    comp_ops, instr_op, instr_calls = collections.defaultdict(list), {}, {}
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        op = _OP_NAME.search(line)
+        instr_op[name] = op.group(1) if op else ""
+        instr_calls[name] = _CALLS.findall(line)
+        if comp is not None and op:
+            comp_ops[comp].append(op.group(1))
+
+    def context(name, depth=0):
+        parts = [instr_op.get(name, "")]
+        for c in instr_calls.get(name, []):
+            parts += comp_ops.get(c, [])
+        return " ".join(p for p in parts if p)
+
+    # Kernel names in a GPU trace spell '.' and '-' as '_' (fusion.12 -> fusion_12): key both forms.
+    out = {}
+    for name in instr_op:
+        out[name] = out[_norm(name)] = context(name)
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
+def _device_pids(events) -> set:
+    """Trace process ids of the accelerator (their process_name names a device, not the host)."""
+    pids = set()
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            label = str(e.get("args", {}).get("name", ""))
+            if "/device:" in label and "host" not in label.lower():
+                pids.add(e["pid"])
+    return pids
+
+
+def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict:
+    """Category -> ms per step, and the top kernels, from a Perfetto JSON trace; ``op_context`` maps
+    HLO instruction names to their scopes (`hlo_op_context`)."""
+    op_context = op_context or {}
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    pids = _device_pids(events)
+    if not pids:  # CPU-only runs: the XLA ops of the host threads
+        pids = {e["pid"] for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})}
+    per_cat = collections.Counter()
+    per_kernel = collections.Counter()
+    kernel_cat, samples = {}, []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in pids or "dur" not in e:
+            continue
+        args = e.get("args", {}) or {}
+        if "hlo_op" not in args and not str(e.get("name", "")).lower().startswith(("memcpy", "memset")):
+            continue  # host-side events (the runtime's, Python's) on a device-less trace
+        op = str(args.get("hlo_op", ""))
+        scopes = op_context.get(op) or op_context.get(_norm(op)) or op_context.get(_norm(str(e.get("name", "")))) or ""
+        context = " ".join(str(v) for v in args.values()) + " " + scopes
+        if len(samples) < 40:
+            samples.append({"name": e.get("name"), "args": args, "matched_scopes": bool(scopes)})
+        cat = categorize(str(e.get("name", "")), context)
+        per_cat[cat] += e["dur"] / 1e3 / n_steps
+        per_kernel[e["name"]] += e["dur"] / 1e3 / n_steps
+        kernel_cat[e["name"]] = cat
+    total = sum(per_cat.values())
+    return {"total_ms": total, "ms": {c: per_cat.get(c, 0.0) for c in CATEGORIES},
+            "share": {c: per_cat.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
+            "top": [(k, ms, kernel_cat[k]) for k, ms in per_kernel.most_common(25)],
+            "kernels": {k: [ms, kernel_cat[k]] for k, ms in per_kernel.items()}, "sample_events": samples}
+
+
+def profile_compiled(step, state, batch, n_steps: int, trace_dir: str) -> tuple[dict, dict]:
+    """Traces ``n_steps`` of an AOT-compiled train step; returns (breakdown, the new state)."""
+    op_context = hlo_op_context(step.as_text())
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(n_steps):
+            state, m = step(state, batch)
+        jax.block_until_ready(m)
+    traces = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    if not traces:
+        raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
+    return parse_trace(traces[-1], n_steps, op_context), state
+
+
+def profile(model: str, seq_len: int, batch: int, remat: bool, sets, steps: int, trace_dir: str) -> dict:
+    style, d, layers = model.split(":")
+    cfg = build_config(style, int(d), int(layers), seq_len, batch, remat, sets)
+    run, state = make_run(cfg)
+    b = jax.device_put(synthetic_batch(cfg))
+    # One compilation serves both the HLO text (scopes of each kernel) and the steps.
+    step = run.train_step.lower(state, b).compile()
+    for _ in range(2):
+        state, m = step(state, b)
+    jax.block_until_ready(m)
+    out, _ = profile_compiled(step, state, b, steps, trace_dir)
+    out.update({"model": model, "sets": list(sets), "tokens_per_step": batch * seq_len,
+                "device": jax.devices()[0].device_kind})
+    return out
+
+
+def print_breakdown(res: dict) -> None:
+    print(f"\n{res['model']} {' '.join(res['sets'])}: {res['total_ms']:.1f} ms of kernels per step "
+          f"({res['tokens_per_step']} tokens, {res['device']})")
+    for c in CATEGORIES:
+        print(f"  {c:<20}{res['ms'][c]:>10.2f} ms{100 * res['share'][c]:>8.1f}%")
+    print("  top kernels (ms/step, category):")
+    for name, ms, cat in res["top"][:15]:
+        print(f"    {ms:>9.2f}  {cat:<18} {name[:90]}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="k3:1024:12")
+    p.add_argument("--seq_len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--remat", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--trace_dir", default="")
+    p.add_argument("--no_command_buffers", action="store_true",
+                   help="turn XLA's CUDA graphs off so that every kernel names its HLO op")
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
+    res = profile(a.model, a.seq_len, a.batch, a.remat, a.set, a.steps, trace_dir)
+    print_breakdown(res)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

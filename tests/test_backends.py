@@ -1,0 +1,107 @@
+"""Implementation tables: 'auto' per platform, errors that name the setting, config validation,
+and the profile breakdown's kernel categories."""
+
+import gzip
+import json
+
+import pytest
+from flax import nnx
+
+from conftest import tiny_model_cfg
+from experiments.profile_step import categorize, hlo_op_context, parse_trace
+from k3.backends import BackendError, Table
+from k3.config import ConfigError, default_config, validate
+from k3.kda import KDA
+from k3.mla import ATTENTION, MLA
+from k3.moe import EXPERT_BACKENDS
+from k3.ops.kda import KDA_CORES
+
+
+def test_table_resolves_auto_per_platform_and_names_the_setting():
+    t = Table("model.x.impl", default="slow", auto={"gpu": "fast"})
+    t.register("slow")(lambda: "slow")
+    t.register("fast", platforms=("gpu",))(lambda: "fast")
+    assert t.choices() == ("auto", "slow", "fast")
+    assert t.resolve("auto", "gpu") == "fast" and t.resolve("auto", "cpu") == "slow"
+    assert t.get("fast", "gpu")() == "fast"
+    with pytest.raises(BackendError, match=r"model.x.impl='fast' runs only on gpu.*'auto' \(here: 'slow'\)"):
+        t.resolve("fast", "cpu")
+    with pytest.raises(BackendError, match=r"model.x.impl='nope' is not one of"):
+        t.resolve("nope", "cpu")
+    with pytest.raises(BackendError, match="registered twice"):
+        t.register("slow")(lambda: None)
+
+
+def test_default_tables_pick_the_fast_paths_on_gpu_and_references_elsewhere():
+    assert KDA_CORES.resolve("auto", "gpu") == "pallas" and KDA_CORES.resolve("auto", "cpu") == "chunk"
+    assert EXPERT_BACKENDS.resolve("auto", "gpu") == "capacity"
+    assert EXPERT_BACKENDS.resolve("auto", "tpu") == "ragged"
+    assert ATTENTION.resolve("auto", "gpu") == "cudnn" and ATTENTION.resolve("auto", "cpu") == "xla"
+
+
+@pytest.mark.parametrize("key,bad", [("model.kda.impl", "flash"), ("model.moe.expert_impl", "megablocks"),
+                                     ("model.mla.attention_impl", "splash")])
+def test_config_validates_backend_names_from_the_tables(key, bad):
+    cfg = default_config()
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = bad
+    with pytest.raises(ConfigError, match=f"{key} must be one of .*'auto'.*got '{bad}'"):
+        validate(cfg)
+    node[leaf] = "auto"
+    validate(cfg)
+
+
+def test_expert_capacity_must_be_positive():
+    cfg = default_config()
+    cfg.model.moe.expert_capacity = 0.0
+    with pytest.raises(ConfigError, match="expert_capacity"):
+        validate(cfg)
+
+
+def test_gpu_only_kernels_on_cpu_fail_at_construction_naming_the_fallback():
+    with pytest.raises(BackendError, match=r"model.mla.attention_impl='cudnn' runs only on gpu.*'xla'"):
+        MLA(tiny_model_cfg(**{"mla.attention_impl": "cudnn"}), rngs=nnx.Rngs(0))
+    # 'auto' builds everywhere, and the layers hold the concrete choice.
+    assert KDA(tiny_model_cfg(**{"kda.impl": "auto"}), rngs=nnx.Rngs(0)).impl == "chunk"
+
+
+def test_categorize_by_scope_and_by_library_kernel_name():
+    assert categorize("loop_fusion_3", "jit(train_step)/optimizer/mul") == "optimizer"
+    assert categorize("fusion_9", "MoE/routed_experts/dot_general") == "expert matmuls"
+    assert categorize("input_scatter_fusion", "routed_experts/scatter-add") == "expert dispatch"
+    assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", "") == "attention"
+    assert categorize("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n", "") == "fp32 matmuls"
+    assert categorize("nvjet_sm90_tst_128x160", "") == "dense matmuls"
+    assert categorize("kda_intra_fwd", "") == "KDA"
+    assert categorize("transpose_fusion", "") == "copies/transposes"
+    assert categorize("loop_add_fusion", "") == "norms/elementwise"
+
+
+def test_trace_parser_maps_kernels_to_scopes_through_the_hlo(tmp_path):
+    hlo = "\n".join([
+        "HloModule jit_train_step",
+        "%fused_computation.1 (p: f32[4]) -> f32[4] {",
+        '  %m = f32[4] multiply(%p, %p), metadata={op_name="jit(train_step)/optimizer/mul"}',
+        "}",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        '  ROOT %loop_multiply_fusion.7 = f32[4] fusion(%a), kind=kLoop, calls=%fused_computation.1',
+        "}",
+    ])
+    ctx = hlo_op_context(hlo)
+    assert "optimizer" in ctx["loop_multiply_fusion.7"] and "optimizer" in ctx["loop_multiply_fusion_7"]
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "loop_multiply_fusion_7", "dur": 3000.0, "args": {"hlo_op": "command_buffer_1"}},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_f32f32_tf32f32", "dur": 1000.0, "args": {"hlo_op": "x"}},
+        {"ph": "X", "pid": 2, "name": "python", "dur": 9e6, "args": {}},
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    res = parse_trace(str(path), n_steps=2, op_context=ctx)
+    assert res["ms"]["optimizer"] == pytest.approx(1.5) and res["ms"]["fp32 matmuls"] == pytest.approx(0.5)
+    assert res["total_ms"] == pytest.approx(2.0) and abs(sum(res["share"].values()) - 1) < 1e-9
