@@ -103,6 +103,7 @@ def default_config() -> ConfigDict:
     o.qk_clip = False
     o.qk_clip_tau = 100.0
     o.per_head_muon = False
+    o.mu_dtype = "float32"  # first moments (Muon, Adam); 'bfloat16' also runs Newton-Schulz in bf16
 
     h = c.mesh = ConfigDict()  # device mesh sizes (k3.sharding); -1 fills the rest; all 1: one device
     h.data = 1
@@ -149,6 +150,7 @@ _CHOICES = {
     "model.moe.ep_dispatch": ("auto", "padded", "ragged", "ragged_emulated"),
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd", "external"),
+    "optim.mu_dtype": ("float32", "bfloat16"),
     "data.source": ("stdlib", "text_dir", "jsonl", "tokens"),
     "data.tokenizer": ("bpe", "byte"),
     "data.tokens_dtype": ("uint16", "uint32"),
@@ -164,15 +166,64 @@ _TABLES = {
 }
 
 
+def _choices_table(key: str):
+    import importlib
+
+    module, name = _TABLES[key]
+    return getattr(importlib.import_module(module), name)
+
+
 def _choices(key: str):
     if key in _CHOICES:
         return _CHOICES[key]
     if key in _TABLES:
-        import importlib
-
-        module, name = _TABLES[key]
-        return getattr(importlib.import_module(module), name).choices()
+        return _choices_table(key).choices()
     return None
+
+
+# Numeric ranges as (low, low excluded?, high, high excluded?), None = unbounded; every float knob
+# must also be finite. Checked before anything is built or written, so a bad value never gets as far
+# as a first step (or a run.json).
+_POS = (0, True, None, False)
+_NONNEG = (0, False, None, False)
+_FRACTION = (0, False, 1, False)
+_DECAY = (0, False, 1, True)  # momenta and betas: [0, 1)
+_RANGES = {
+    "steps": _POS, "seed": _NONNEG,
+    "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS, "model.dense_ffn_dim": _POS,
+    "model.mla_period": _POS, "model.attn_res_block_size": _POS, "model.norm_eps": _POS,
+    "model.init_std": _POS, "model.situ_beta_gate": _POS, "model.situ_beta_up": _POS,
+    "model.mla.n_heads": _POS, "model.mla.q_lora_rank": _NONNEG, "model.mla.kv_lora_rank": _POS,
+    "model.mla.qk_nope_dim": _POS, "model.mla.qk_rope_dim": _NONNEG, "model.mla.v_head_dim": _POS,
+    "model.mla.rope_theta": _POS, "model.mla.norm_eps": _POS,
+    "model.kda.n_heads": _POS, "model.kda.head_dim": _POS, "model.kda.conv_size": _POS, "model.kda.chunk_size": _POS,
+    "model.moe.n_experts": _POS, "model.moe.expert_dim": _POS, "model.moe.latent_dim": _NONNEG,
+    "model.moe.shared_dim": _NONNEG, "model.moe.routed_scaling": _POS, "model.moe.sign_rate": _NONNEG,
+    "model.moe.hist_bins": _POS, "model.moe.expert_capacity": _POS, "model.moe.capacity_factor": _NONNEG,
+    "optim.lr": _POS, "optim.adam_lr": _POS, "optim.warmup_frac": _FRACTION, "optim.warmup_steps": (-1, False, None, False),
+    "optim.decay_frac": _FRACTION, "optim.min_lr_ratio": _FRACTION, "optim.weight_decay": _NONNEG,
+    "optim.b1": _DECAY, "optim.b2": _DECAY, "optim.eps": _POS, "optim.momentum": _DECAY,
+    "optim.clip_norm": _NONNEG, "optim.grad_accum": _POS, "optim.qk_clip_tau": _POS,
+    "data.seq_len": _POS, "data.batch_size": _POS, "data.val_fraction": (0, False, 1, True), "data.max_docs": _NONNEG,
+    "train.log_every": _POS, "train.eval_every": _POS, "train.eval_batches": _POS, "train.ckpt_every": _POS,
+    "train.keep_ckpts": _POS, "train.keep_period": _NONNEG, "train.peak_flops": _NONNEG,
+}
+# Chunk sizes the Pallas KDA kernel compiles (16-token sub-tiles); the jnp cores take any.
+PALLAS_KDA_CHUNKS = (16, 32, 64)
+
+
+def _check_range(key: str, val) -> None:
+    if isinstance(val, float) and not math.isfinite(val):
+        raise ConfigError(f"config key {key} must be a finite number, got {val!r}")
+    if key not in _RANGES:
+        return
+    lo, lo_open, hi, hi_open = _RANGES[key]
+    bad = ((lo is not None and (val <= lo if lo_open else val < lo))
+           or (hi is not None and (val >= hi if hi_open else val > hi)))
+    if bad:
+        span = (f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
+                f"{'inf' if hi is None else hi}{')' if hi_open or hi is None else ']'}")
+        raise ConfigError(f"config key {key} must be in {span}, got {val!r}")
 
 
 class ConfigError(ValueError):
@@ -215,6 +266,8 @@ def validate(cfg: ConfigDict) -> ConfigDict:
         choices = _choices(key)
         if choices is not None and val not in choices:
             raise ConfigError(f"config key {key} must be one of {choices}, got {val!r}")
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            _check_range(key, val)
     m = cfg.model
     positive = ["vocab_size", "d_model", "n_layers", "dense_ffn_dim", "mla_period", "attn_res_block_size"]
     for key in positive:
@@ -225,6 +278,10 @@ def validate(cfg: ConfigDict) -> ConfigDict:
     if not -5.0 <= m.kda.gate_lower_bound < 0:
         # Below -5 a 16-token tile's cumulative decay leaves the fp32 range the kernels rely on.
         raise ConfigError(f"model.kda.gate_lower_bound must be in [-5, 0), got {m.kda.gate_lower_bound}")
+    if (m.kda.chunk_size not in PALLAS_KDA_CHUNKS and m.kda.gate == "bounded"
+            and _choices_table("model.kda.impl").resolve(m.kda.impl) == "pallas"):
+        raise ConfigError(f"model.kda.chunk_size must be one of {PALLAS_KDA_CHUNKS} for the Pallas KDA kernel "
+                          f"(model.kda.impl={m.kda.impl!r} runs it here), got {m.kda.chunk_size}")
     if m.moe.top_k > m.moe.n_experts or m.moe.top_k <= 0:
         raise ConfigError(f"model.moe.top_k must be in [1, n_experts], got {m.moe.top_k}")
     if m.moe.balancing.startswith("quantile") and m.moe.top_k >= m.moe.n_experts:
@@ -240,12 +297,6 @@ def validate(cfg: ConfigDict) -> ConfigDict:
             raise ConfigError(f"config key mesh.{axis} must be a positive size or -1, got {cfg.mesh[axis]}")
     if sum(cfg.mesh[a] == -1 for a in ("data", "fsdp", "expert", "context", "tensor")) > 1:
         raise ConfigError("at most one mesh axis may be -1")
-    if not m.moe.expert_capacity > 0:
-        raise ConfigError(f"model.moe.expert_capacity must be > 0, got {m.moe.expert_capacity}")
-    if m.moe.capacity_factor < 0:
-        raise ConfigError(f"model.moe.capacity_factor must be >= 0, got {m.moe.capacity_factor}")
-    if not math.isfinite(cfg.optim.lr) or cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be a positive number, got {cfg.optim.lr}")
     return cfg
 
 

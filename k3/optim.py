@@ -254,6 +254,17 @@ def on_nnx_state(tx: optax.GradientTransformation) -> optax.GradientTransformati
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _cast_muon_grads(dims: dict, dtype) -> optax.GradientTransformation:
+    """Casts the gradients of the Muon leaves (``dims`` not None) to ``dtype``."""
+    def update_fn(updates, state, params=None):
+        del params
+        cast = jax.tree.map(lambda g, d: g if d is None else g.astype(dtype), updates, dims,
+                            is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+        return cast, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def _adam_decay_mask(mask: dict, dims: dict) -> dict:
     """The decay mask restricted to the Adam leaves of 'muon' (Muon leaves decay inside optax)."""
     return jax.tree.map(lambda m, d: bool(m) and d is None, mask, dims,
@@ -271,6 +282,8 @@ def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransfo
     `weight_decay_mask` (embedding, LM head; not norms, biases, gates' A_log, queries, conv).
     'adamw': ``optax.adamw`` at ``optim.lr`` for every parameter, same decay mask.
     Gradients are first clipped to global norm ``optim.clip_norm`` when it is > 0.
+    ``optim.mu_dtype='bfloat16'`` stores the first moments in bf16 (half the memory and traffic of the
+    largest optimizer state) and runs Muon's Newton-Schulz iterations in bf16, at twice the TF32 rate.
 
     ``optim.schedule='external'``: the optimizer runs at a unit rate (Muon 1, Adam adam_lr / lr) and
     the train step multiplies its updates by the state's ``lr`` scalar, which the caller sets at
@@ -291,7 +304,13 @@ def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransfo
     if o.name == "muon":
         adam_schedule = learning_rate_schedule(o, cfg.steps, peak_lr=o.adam_lr / o.lr if external else o.adam_lr)
         dims = muon_dimension_numbers(params_state, o.per_head_muon)
+        mu_dtype = jnp.dtype(o.mu_dtype)
+        # A bf16 first moment needs bf16 gradients on the Muon leaves: optax keeps the moment's dtype
+        # only when both are bf16, and then Newton-Schulz runs in bf16 too. (No extra link in the
+        # fp32 chain: its state keeps the structure existing checkpoints were saved with.)
+        cast = [_cast_muon_grads(dims, mu_dtype)] if mu_dtype != jnp.float32 else []
         core = optax.chain(
+            *cast,
             optax.contrib.muon(
                 learning_rate=schedule,
                 beta=o.momentum,
@@ -304,11 +323,13 @@ def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransfo
                 adam_learning_rate=adam_schedule,
                 adam_weight_decay=0.0,  # unmasked in optax; done per leaf just below
                 muon_weight_dimension_numbers=dims,
+                mu_dtype=mu_dtype,
             ),
             _scheduled_weight_decay(adam_schedule, o.weight_decay, _adam_decay_mask(mask, dims)),
         )
     elif o.name == "adamw":
-        core = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+        core = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask,
+                           mu_dtype=jnp.dtype(o.mu_dtype))
     else:
         raise ValueError(f"unknown optimizer {o.name!r}; expected 'muon' or 'adamw'")
     if o.clip_norm > 0:

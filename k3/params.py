@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 
 from k3 import attn_res
-from k3.config import layer_kinds, validate
+from k3.config import ConfigError, layer_kinds, validate
 from k3.model import Model
 from k3.moe import MoE
 
@@ -114,8 +114,15 @@ def report(cfg, seq_len: int | None = None) -> dict:
 
 def main(argv):
     del argv
+    import sys
+
     from absl import flags
-    print(json.dumps(report(flags.FLAGS.config, flags.FLAGS.seq_len or None), indent=2))
+
+    try:
+        print(json.dumps(report(flags.FLAGS.config, flags.FLAGS.seq_len or None), indent=2))
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

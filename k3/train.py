@@ -15,10 +15,13 @@ outside the gradient.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -323,8 +326,9 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
 def check_workdir(cfg, workdir: Path) -> bool:
     """Validates the workdir against this run; returns True when it holds this run's checkpoints.
 
-    Refuses (RunError, nothing touched) a workdir whose run.json belongs to another run, or that
-    holds checkpoints without a run.json.
+    Refuses (RunError, nothing touched) a workdir whose run.json belongs to another run that has
+    checkpoints, or that holds checkpoints without a run.json. A run.json without any checkpoint (a
+    start that failed early) is replaced by this run's.
     """
     run_file = workdir / "run.json"
     has_ckpts = (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir())
@@ -334,6 +338,8 @@ def check_workdir(cfg, workdir: Path) -> bool:
         except json.JSONDecodeError as e:
             raise RunError(f"{run_file} is corrupt ({e}); refusing to touch workdir {workdir}") from e
         diff = _diff_keys(run_identity(with_schema_defaults(saved.get("identity") or {})), run_identity(cfg))
+        if diff and not has_ckpts:
+            return False  # a start that failed before its first checkpoint: nothing to protect
         if diff:
             raise RunError(f"workdir {workdir} holds another run's checkpoints (config differs in: "
                            f"{', '.join(diff[:8])}); use a new --workdir")
@@ -382,6 +388,12 @@ def abstract_like(state):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
+def _short_error(e: Exception, limit: int = 400) -> str:
+    """The exception's first line, cut at a word boundary: enough to name the cause."""
+    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def restore_checkpoint(mngr, abstract_state: dict, step: int | None = None):
     """(state, meta) of the latest (or given) complete checkpoint; RunError if it cannot be read."""
     import orbax.checkpoint as ocp
@@ -392,8 +404,85 @@ def restore_checkpoint(mngr, abstract_state: dict, step: int | None = None):
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types for corrupt or mismatched trees
         raise RunError(f"checkpoint {mngr.directory}/{step} cannot be restored into this model "
-                       f"(corrupt, or a different architecture): {type(e).__name__}: {str(e)[:300]}") from e
+                       f"(corrupt, or a different architecture): {_short_error(e)}") from e
     return restored["state"], restored["meta"]
+
+
+_LOOP_NOISE = ("Traceback (most recent call last):", "asyncio/base_events.py", "_check_closed",
+               "Event loop is closed")
+_LOOP_NOISE_LINES = ("Traceback (most recent call last):", "self._check_closed()",
+                     "raise RuntimeError('Event loop is closed')", "RuntimeError: Event loop is closed")
+
+
+def _is_loop_noise(line: str) -> bool:
+    """A line of those tracebacks, or a piece of one (several threads print them at once)."""
+    s = line.strip()
+    return (not s or any(n in line for n in _LOOP_NOISE)
+            or any(full.startswith(s) or full.endswith(s) for full in _LOOP_NOISE_LINES))
+
+
+@contextlib.contextmanager
+def _without_closed_loop_noise():
+    """Holds back stderr (the file descriptor) while a checkpoint is read, then writes it out without
+    the 'Event loop is closed' tracebacks that orbax's reader threads print when a restore fails
+    (their callbacks reach the asyncio loop the failure already closed). Everything else passes."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    options = {"linger": 0.0}
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield options
+        finally:
+            time.sleep(options["linger"])
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(ln for ln in lines if not _is_loop_noise(ln)))
+            sys.stderr.flush()
+
+
+def restore_newest_good(cfg, workdir: Path, mngr, abstract_state: dict):
+    """(state, meta, mngr) from the newest checkpoint that restores; older ones are tried in turn.
+
+    Checkpoints newer than the one restored are moved, untouched, to ``workdir/checkpoints_bad/``
+    (the run will write those step numbers again) and each is reported on stderr with its error.
+    When none restores, nothing is moved and RunError lists every failure. With several processes
+    only the newest is tried (moving directories that every process reads is not done behind their
+    backs): a bad one is an error naming it.
+    """
+    failures = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            with _without_closed_loop_noise() as held:
+                try:
+                    state, meta = restore_checkpoint(mngr, abstract_state, step)
+                except RunError:
+                    held["linger"] = 0.5  # late reader callbacks of the failed read land in the filter
+                    raise
+        except RunError as e:
+            if jax.process_count() > 1:
+                raise
+            failures.append((step, str(e)))
+            continue
+        if failures:
+            mngr.close()
+            bad_dir = workdir / "checkpoints_bad"
+            bad_dir.mkdir(exist_ok=True)
+            for bad, why in failures:
+                target = bad_dir / str(bad)
+                n = 1
+                while target.exists():
+                    target, n = bad_dir / f"{bad}.{n}", n + 1
+                os.replace(workdir / "checkpoints" / str(bad), target)
+                print(f"warning: skipped checkpoint {bad} (moved to {target}): {why}", file=sys.stderr)
+            print(f"warning: resuming from checkpoint {step}", file=sys.stderr)
+            mngr = checkpoint_manager(cfg, workdir)
+        return state, meta, mngr
+    raise RunError("no checkpoint in {} can be restored:\n  {}".format(
+        workdir / "checkpoints", "\n  ".join(why for _, why in failures)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,10 +490,18 @@ def restore_checkpoint(mngr, abstract_state: dict, step: int | None = None):
 # ------------------------------------------------------------------------------------------------
 
 def _truncate_metrics(path: Path, after_step: int) -> None:
-    """Drops lines logged after the restored step, so a resumed log equals an uninterrupted one."""
+    """Drops lines logged after the restored step (and any partial line a kill left), so a resumed log
+    equals an uninterrupted one."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= after_step]
+    keep = []
+    for ln in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill during the write
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= after_step:
+            keep.append(ln)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep))
     os.replace(tmp, path)
@@ -448,6 +545,7 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
     if workdir.exists() and not workdir.is_dir():
         raise RunError(f"--workdir {workdir} exists and is not a directory")
     resuming = check_workdir(cfg, workdir) if workdir.exists() else False
+    _check_writable(workdir, create=False)
     # One process per host: process 0 writes the run's files; the others only train and save
     # their shards of the checkpoints.
     primary = jax.process_index() == 0
@@ -461,10 +559,12 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise RunError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}")
     run, state = make_run(cfg)
+    if primary:
+        _check_writable(workdir / "checkpoints")
     mngr = checkpoint_manager(cfg, workdir)
     metrics_path = workdir / "metrics.jsonl"
     if resuming and mngr.latest_step() is not None:
-        state, meta = restore_checkpoint(mngr, abstract_like(state))
+        state, meta, mngr = restore_newest_good(cfg, workdir, mngr, abstract_like(state))
         train_iter.set_state(meta["data"])
     start = int(to_host(state["step"]))
     if primary:
@@ -489,9 +589,12 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
             m = {k: to_host(v) for k, v in m.items()}
             loss = float(m["loss"])
             if not math.isfinite(loss):
-                mngr.wait_until_finished()
-                raise RunError(f"loss is {loss} at step {step + 1}; stopped. The last good checkpoint "
-                               f"(step {mngr.latest_step()}) is kept in {workdir / 'checkpoints'}")
+                _guarded_wait(mngr, workdir)
+                kept = mngr.latest_step()
+                raise RunError(f"loss is {loss} at step {step + 1}; stopped. " + (
+                    f"The last good checkpoint (step {kept}) is kept in {workdir / 'checkpoints'}" if kept is not None
+                    else "No checkpoint was written before it (train.ckpt_every="
+                         f"{cfg.train.ckpt_every}); nothing to resume from"))
             steps_since += 1
             done = step + 1
             if step == start:  # keep compilation out of tokens/s
@@ -520,16 +623,55 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
                 last.update(ev)
                 t_last = time.perf_counter()  # keep evaluation out of tokens/s
             if done % cfg.train.ckpt_every == 0 or done == cfg.steps:
-                save_checkpoint(mngr, state, train_iter.get_state(), cfg)
+                _guarded_save(mngr, state, train_iter.get_state(), cfg, workdir)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last.get('tokens_per_s') or 0:.0f}")
-    mngr.wait_until_finished()
+    _guarded_wait(mngr, workdir)
     mngr.close()
     bar.close()
     writer.close()
     if primary and metrics_path.exists():
         plot_losses(metrics_path, workdir / "loss.png")
     return last
+
+
+def _check_writable(directory: Path, create: bool = True) -> None:
+    """Proves a file can be written in ``directory`` (created first when ``create``; else its nearest
+    existing ancestor is probed, and nothing is left behind); RunError naming it if not.
+
+    A checkpoint directory that cannot be written would otherwise fail inside orbax's writer threads
+    at the first save, after compilation and training time are spent.
+    """
+    target = directory
+    if not create:
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        if not target.is_dir():
+            raise RunError(f"cannot create {directory}: {target} is not a directory")
+    try:
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        probe = target / f".k3_write_test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunError(f"cannot write to {directory}: {e.strerror or e}") from e
+
+
+def _guarded_save(mngr, state, data_state, cfg, workdir: Path) -> None:
+    """`save_checkpoint`, with a failed write turned into RunError naming the directory."""
+    try:
+        save_checkpoint(mngr, state, data_state, cfg)
+    except Exception as e:  # orbax surfaces OS errors of its writers under several types
+        raise RunError(f"writing a checkpoint to {workdir / 'checkpoints'} failed: {_short_error(e)}") from e
+
+
+def _guarded_wait(mngr, workdir: Path) -> None:
+    """Waits for pending asynchronous checkpoint writes; a failed one becomes RunError."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - see _guarded_save
+        raise RunError(f"writing a checkpoint to {workdir / 'checkpoints'} failed: {_short_error(e)}") from e
 
 
 def _barrier(name: str) -> None:

@@ -7,16 +7,13 @@ On a mesh (``--config.mesh.fsdp=8 ...``) and across hosts (``--distributed``, se
 `launch.distributed`), every process runs this same command.
 """
 
-import sys
-
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from k3.config import ConfigError
 from k3.data import DataError
-from launch import distributed
+from launch import cli, distributed
 
-config_flags.DEFINE_config_file("config", "experiments/configs/k3_tiny.py", "config file", lock_config=True)
+cli.define_config_flag("config", "experiments/configs/k3_tiny.py", "config file")
 flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, tokenizer", required=True)
 
 
@@ -27,19 +24,17 @@ def main(argv):
     try:
         distributed.setup()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(str(e))
     from k3.train import RunError, train  # after the backend is configured
 
     try:
         last = train(flags.FLAGS.config, flags.FLAGS.workdir)
     except (RunError, DataError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(str(e))
     if last:
         summary = {k: last[k] for k in ("step", "loss", "val_loss", "val_bits_per_byte") if k in last}
         print("done:", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,19 +146,137 @@ def test_bad_inputs_fail_cleanly_and_touch_nothing(finished_run, tmp_path):
     assert snapshot(finished_run) == before
 
 
-def test_corrupt_checkpoint_is_reported(finished_run, tmp_path):
-    import shutil
+def _corrupt(ckpt: Path, how: str) -> None:
+    """Damages one orbax checkpoint directory in place."""
+    files = sorted(f for f in (ckpt / "state").rglob("*") if f.is_file() and f.stat().st_size > 0)
+    data = [f for f in files if "manifest" not in f.name and not f.name.startswith("_")]
+    if how == "flip":  # bytes flipped in every data file
+        for f in data:
+            raw = bytearray(f.read_bytes())
+            for i in range(0, len(raw), 7):
+                raw[i] ^= 0xFF
+            f.write_bytes(bytes(raw))
+    elif how == "truncate":
+        for f in data:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    elif how == "no_metadata":
+        (ckpt / "state" / "_METADATA").unlink()
+    elif how == "empty_manifest":
+        for f in files:
+            if f.name == "manifest.ocdbt":
+                f.write_bytes(b"")
+    else:
+        raise ValueError(how)
 
-    workdir = tmp_path / "corrupt"
+
+def _resume_after_corruption(finished_run, tmp_path, how, extra_damage=None):
+    workdir = tmp_path / f"corrupt_{how}"
     shutil.copytree(finished_run, workdir)
-    latest = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    for f in (workdir / "checkpoints" / str(latest) / "state").rglob("*"):
-        if f.is_file() and f.stat().st_size > 0 and "manifest" not in f.name:
-            f.write_bytes(b"\0" * f.stat().st_size)
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(steps) == 3, steps  # keep_ckpts = 3: 4, 6, 8
+    _corrupt(workdir / "checkpoints" / str(steps[-1]), how)
+    if extra_damage:
+        extra_damage(workdir)
+    bad_files = snapshot(workdir / "checkpoints" / str(steps[-1]))
+    out = launch("launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=8", "--config.train.ckpt_every=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"skipped checkpoint {steps[-1]}" in out.stderr and f"resuming from checkpoint {steps[-2]}" in out.stderr
+    # The bad checkpoint is kept, moved aside whole; the run ends as the uninterrupted one did.
+    moved = workdir / "checkpoints_bad" / str(steps[-1])
+    assert {k.replace(str(moved), ""): v for k, v in snapshot(moved).items()} == \
+        {k.replace(str(workdir / "checkpoints" / str(steps[-1])), ""): v for k, v in bad_files.items()}
+    assert metrics(workdir) == metrics(finished_run)
+    return workdir
+
+
+def test_bad_latest_checkpoint_falls_back_to_the_newest_good_one(finished_run, tmp_path):
+    _resume_after_corruption(finished_run, tmp_path, "flip")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncate", "no_metadata", "empty_manifest"])
+def test_checkpoint_fault_injection_resumes_from_newest_good(finished_run, tmp_path, how):
+    def cut_metrics(workdir):  # what a kill during a metrics write leaves: a partial last line
+        with open(workdir / "metrics.jsonl", "a") as f:
+            f.write('{"step": 9, "loss": 3.1')
+    _resume_after_corruption(finished_run, tmp_path, how, cut_metrics if how == "truncate" else None)
+
+
+@pytest.mark.slow
+def test_no_restorable_checkpoint_is_an_error_that_moves_nothing(finished_run, tmp_path):
+    workdir = tmp_path / "all_bad"
+    shutil.copytree(finished_run, workdir)
+    for ckpt in (workdir / "checkpoints").iterdir():
+        if ckpt.name.isdigit():
+            _corrupt(ckpt, "flip")
     before = snapshot(workdir)
+    t0 = time.time()
     out = launch("launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=10")
-    assert out.returncode == 2 and "cannot be restored" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and "no checkpoint in" in out.stderr and "cannot be restored" in out.stderr
+    assert "Traceback" not in out.stderr and time.time() - t0 < 300
     assert snapshot(workdir) == before
+
+
+def test_unwritable_checkpoints_exit_quickly_naming_the_path(tmp_path):
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: root writes anywhere, so the fault cannot be made")
+    workdir = tmp_path / "ro"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "checkpoints").chmod(0o555)
+    # Root ignores file modes unless these capabilities are dropped.
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+    t0 = time.time()
+    proc = subprocess.run([*prefix, sys.executable, "-m", "launch.train", *SMALL, f"--workdir={workdir}",
+                           "--config.steps=4", "--config.train.ckpt_every=2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot write to {workdir / 'checkpoints'}" in proc.stderr and "Traceback" not in proc.stderr
+    assert time.time() - t0 < 120
+    assert not list((workdir / "checkpoints").iterdir()) and not (workdir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--config.model.nonexistent=1"], "unknown config key 'nonexistent' in --config.model.nonexistent=1"),
+    (["--config.train.ckpt_every=0"], "train.ckpt_every must be in (0, inf), got 0"),
+    (["--config.steps=-3"], "steps must be in (0, inf), got -3"),
+    (["--config.optim.adam_lr=nan"], "optim.adam_lr must be a finite number"),
+    (["--config.model.kda.chunk_size=0"], "model.kda.chunk_size must be in (0, inf)"),
+    (["--config.model.d_model=abc"], "--config.model.d_model=abc"),
+    (["--config=experiments/configs/nonexistent.py"], "cannot load the config file"),
+])
+def test_bad_settings_are_one_line_errors_before_anything_is_written(tmp_path, extra, message):
+    workdir = tmp_path / "w"
+    t0 = time.time()
+    out = launch("launch.train", *SMALL, f"--workdir={workdir}", *extra, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and time.time() - t0 < 60
+    assert not workdir.exists()
+
+
+def test_workdir_under_a_file_is_an_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = launch("launch.train", *SMALL, f"--workdir={blocker / 'run'}", "--config.steps=2", timeout=120)
+    assert out.returncode == 2 and f"{blocker} is not a directory" in out.stderr, out.stderr[-2000:]
+    assert blocker.read_text() == "x"
+
+
+def test_workdir_of_a_failed_start_accepts_a_new_config_and_partial_metrics_lines_are_dropped(tmp_path):
+    from k3.config import default_config
+    from k3.train import RunError, _truncate_metrics, check_workdir, write_run_file
+
+    old, new = default_config(), default_config()
+    new.model.d_model = 64
+    write_run_file(old, tmp_path)
+    assert check_workdir(new, tmp_path) is False  # no checkpoint: nothing of the old run to protect
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    with pytest.raises(RunError, match="another run"):
+        check_workdir(new, tmp_path)
+    assert check_workdir(old, tmp_path) is True
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 1.5}\n{"step": 3, "loss": 1.')
+    _truncate_metrics(log, 2)
+    assert log.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 1.5}\n'
 
 
 @pytest.mark.slow
@@ -166,3 +285,8 @@ def test_nan_loss_stops_with_the_step(tmp_path):
     out = launch("launch.train", *SMALL, f"--workdir={workdir}", "--config.steps=6", "--config.optim.lr=1e30",
                  "--config.optim.adam_lr=1e30", "--config.optim.clip_norm=0.0", "--config.train.ckpt_every=1")
     assert out.returncode == 2 and "loss is" in out.stderr and "at step" in out.stderr, out.stderr[-2000:]
+    assert "last good checkpoint (step" in out.stderr
+    out = launch("launch.train", *SMALL, f"--workdir={tmp_path / 'nan2'}", "--config.steps=6",
+                 "--config.optim.lr=1e30", "--config.optim.adam_lr=1e30", "--config.optim.clip_norm=0.0",
+                 "--config.train.ckpt_every=100")
+    assert out.returncode == 2 and "No checkpoint was written" in out.stderr and "step None" not in out.stderr
