@@ -233,7 +233,8 @@ def test_workdir_of_an_older_schema_is_still_this_run(tmp_path):
     saved = json.loads((tmp_path / "run.json").read_text())
     del saved["identity"]["model"]["moe"]["capacity_factor"]
     (tmp_path / "run.json").write_text(json.dumps(saved))
-    assert check_workdir(cfg, tmp_path) is False  # accepted (no checkpoints yet)
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # the identity guards a run's checkpoints
+    assert check_workdir(cfg, tmp_path) is True  # accepted: the same run
     cfg.model.moe.capacity_factor = 1.0
     with pytest.raises(RunError, match="capacity_factor"):
         check_workdir(cfg, tmp_path)
