@@ -5,18 +5,19 @@
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from k3.config import ConfigError
 from k3.data import DataError
 from k3.decode import generate
 from k3.train import RunError, load_for_inference
+from launch import cli
 
 flags.DEFINE_string("workdir", None, "training workdir", required=True)
 flags.DEFINE_string("prompt", "", "text to continue")
-flags.DEFINE_integer("tokens", 64, "tokens to generate")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
-flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens only (0 = all)")
+flags.DEFINE_integer("tokens", 64, "tokens to generate", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
+flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens only (0 = all)", lower_bound=0)
 flags.DEFINE_bool("stop_at_eos", True, "end the continuation at the end-of-document token")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 
@@ -40,4 +41,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -290,3 +290,13 @@ def test_nan_loss_stops_with_the_step(tmp_path):
                  "--config.optim.lr=1e30", "--config.optim.adam_lr=1e30", "--config.optim.clip_norm=0.0",
                  "--config.train.ckpt_every=100")
     assert out.returncode == 2 and "No checkpoint was written" in out.stderr and "step None" not in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--tokens=-1", "--tokens=0", "--temperature=-1", "--top_k=-2"])
+def test_sample_rejects_bad_flags_before_loading(tmp_path, flag):
+    t0 = time.time()
+    out = launch("launch.sample", f"--workdir={tmp_path / 'none'}", flag, timeout=120)
+    name = flag.split("=")[0]
+    assert out.returncode == 2 and f"flag {flag}" in out.stderr and out.stderr.startswith("error:"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and time.time() - t0 < 60 and name in out.stderr
+    assert not (tmp_path / "none").exists()

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -280,6 +281,19 @@ def files_fingerprint(root: Path, files: list[str]) -> str:
     return h.hexdigest()
 
 
+def _is_text(path: Path) -> bool:
+    """Whether a file reads as text: valid UTF-8 with no NUL byte (binary files decode to U+FFFD
+    noise that the byte tokenizer would otherwise train on)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def load_text_corpus(source: str, path: str = "", *, text_field: str = "text", val_fraction: float = 0.02,
                      max_docs: int = 0, listing: tuple[Path, list[str]] | None = None) -> TextCorpus:
     """Lists the documents of a text source and assigns each to train or validation.
@@ -294,7 +308,8 @@ def load_text_corpus(source: str, path: str = "", *, text_field: str = "text", v
         splitting.
       listing: the result of :func:`list_text_files` when the caller already has it.
     Returns:
-      A :class:`TextCorpus`. Empty files and blank JSONL lines are skipped, not counted.
+      A :class:`TextCorpus`. Empty files and blank JSONL lines are skipped, not counted; 'text_dir'
+      files that are not UTF-8 text (`_is_text`) are skipped and counted in a warning on stderr.
     Raises:
       DataError: missing path, no documents, or (JSONL) a line that is not a JSON object.
     """
@@ -316,15 +331,25 @@ def load_text_corpus(source: str, path: str = "", *, text_field: str = "text", v
                     if limit is not None and len(doc_file) >= limit:
                         break
     else:
+        binary = []
         for fi, rel in enumerate(files):
             p = root if root.is_file() else root / rel
             if p.stat().st_size == 0:
+                continue
+            if source == "text_dir" and not _is_text(p):
+                binary.append(rel)
                 continue
             doc_file.append(fi)
             doc_line.append(0)
             names.append(rel)
             if limit is not None and len(doc_file) >= limit:
                 break
+        if binary:
+            print(f"warning: skipped {len(binary)} file(s) of {str(root)!r} that are not UTF-8 text "
+                  f"(NUL bytes or invalid UTF-8), e.g. {binary[0]!r}", file=sys.stderr)
+        if not doc_file and binary:
+            raise DataError(f"data path {str(root)!r} contains no text documents: {len(binary)} file(s) are "
+                            "binary (NUL bytes or invalid UTF-8), the rest empty")
     if not doc_file:
         raise DataError(f"data path {str(root)!r} contains no documents (all files are empty)")
     hashes = np.array([_unit_hash(n) for n in names], dtype=np.float64)

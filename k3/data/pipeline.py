@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -352,6 +353,12 @@ class _StreamWriter:
         self.fh.write(np.ascontiguousarray(arr, self.dtype).tobytes())
         self.count += len(arr)
 
+    def abort(self) -> None:
+        """Closes and removes the temporary file of a write that will not finish."""
+        self.fh.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
     def finish(self) -> None:
         self.fh.close()
         if self.count == 0:
@@ -398,18 +405,22 @@ def _build_text_cache(corpus: corpus_lib.TextCorpus, tok: Tokenizer, cache: Path
                 lens.append(len(ids) + 1)
             batch.clear()
 
-        for text in corpus.iter_texts(split):
-            if not text:
-                continue  # an empty document would be a lone EOS: nothing to learn, skip it
-            if split == "val":
-                n_bytes += len(text.encode("utf-8"))
-            batch.append(text)
-            batch_chars += len(text)
-            # ~4 MB per encode_batch call: enough to keep every core busy, bounded memory.
-            if batch_chars >= 4_000_000:
-                flush()
-                batch_chars = 0
-        flush()
+        try:
+            for text in corpus.iter_texts(split):
+                if not text:
+                    continue  # an empty document would be a lone EOS: nothing to learn, skip it
+                if split == "val":
+                    n_bytes += len(text.encode("utf-8"))
+                batch.append(text)
+                batch_chars += len(text)
+                # ~4 MB per encode_batch call: enough to keep every core busy, bounded memory.
+                if batch_chars >= 4_000_000:
+                    flush()
+                    batch_chars = 0
+            flush()
+        except BaseException:
+            writer.abort()  # a bad line or an interrupt must not leave a .raw file per attempt
+            raise
         writer.finish()
         _write_npy_atomic(cache / f"{split}_doc_len.npy", np.asarray(lens, np.int64))
         meta[split] = {"num_docs": len(lens), "num_tokens": int(sum(lens))}
@@ -471,6 +482,22 @@ class PreparedData:
 
 
 def prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
+    """Loads (or builds) the tokenised streams: see `_prepare_data`. A failed attempt removes the
+    directories it created itself (``data_cache/``, and the workdir when it made it and left it
+    empty); files that were there before are never touched."""
+    workdir = Path(workdir)
+    made_workdir, made_cache = not workdir.exists(), not (workdir / CACHE_DIR).exists()
+    try:
+        return _prepare_data(cfg, workdir)
+    except BaseException:
+        if made_cache:
+            shutil.rmtree(workdir / CACHE_DIR, ignore_errors=True)
+        if made_workdir and workdir.is_dir() and not any(workdir.iterdir()):
+            workdir.rmdir()
+        raise
+
+
+def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
     """Loads (or builds, then caches under ``<workdir>/data_cache``) the tokenised train/val streams.
 
     Args:
