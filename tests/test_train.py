@@ -300,3 +300,9 @@ def test_sample_rejects_bad_flags_before_loading(tmp_path, flag):
     assert out.returncode == 2 and f"flag {flag}" in out.stderr and out.stderr.startswith("error:"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and time.time() - t0 < 60 and name in out.stderr
     assert not (tmp_path / "none").exists()
+
+
+def test_params_cli_reports_a_bad_config_in_one_line():
+    out = launch("k3.params", "--config=experiments/configs/k3_tiny.py", "--config.optim.b2=1.5", timeout=120)
+    expected = "error: bad config: config key optim.b2 must be in [0, 1), got 1.5"
+    assert out.returncode == 2 and out.stderr.strip() == expected
