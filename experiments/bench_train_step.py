@@ -12,7 +12,8 @@ MFU = tokens/s x training FLOPs per token (the ``full`` convention of `k3.params
 brackets) / the device's dense bf16 peak. Synthetic tokens in packed documents of 512; the median
 of the timed steps is reported, with the device's peak memory and the routes dropped by a capacity.
 ``--profile_dir`` traces two more steps and prints where the time goes
-(`experiments.profile_step`). ``--fit_batches`` compiles (without running) the step at larger batches and reports XLA's memory
+(`experiments.profile_step`). ``--fit_batches`` compiles (without running) the step at larger
+batches and reports XLA's memory
 estimate for each, to find the largest tokens/step that fits.
 """
 
@@ -171,7 +172,8 @@ def print_table(rows):
     for r in rows:
         name = f"{r['style']} d{r['d_model']} L{r['n_layers']}"
         kern = f"{r['kda_impl'] if r['style'] == 'k3' else '-'}/{r['expert_impl']}/{r['attention_impl']}"
-        head = f"{name:<16}{kern:<28}{r['total_params'] / 1e6:>7.0f}M{r['active_params'] / 1e6:>7.0f}M{r['tokens_per_step']:>9}"
+        head = (f"{name:<16}{kern:<28}{r['total_params'] / 1e6:>7.0f}M{r['active_params'] / 1e6:>7.0f}M"
+                f"{r['tokens_per_step']:>9}")
         if "oom" in r:
             print(head + "   out of memory")
             continue
