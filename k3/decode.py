@@ -126,11 +126,11 @@ def write_rows(cache_BSX: jax.Array, rows_BTX: jax.Array, start_B: jax.Array, r=
 
 def sample_logits(logits_BV: jax.Array, key, temperature: float, top_k: int = 0) -> jax.Array:
     """Next tokens [B] int32: argmax when temperature <= 0, else a draw from softmax(logits / t),
-    restricted to the top_k logits when top_k > 0."""
+    restricted to the top_k logits when 0 < top_k < V (a larger top_k keeps them all)."""
     if temperature <= 0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits = logits_BV / temperature
-    if top_k > 0:
+    if 0 < top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -3,6 +3,7 @@
     python -m launch.sample --workdir=runs/k3_tiny --prompt="def main(" [--tokens=100 --temperature=0.8 --top_k=40]
 """
 
+import math
 import sys
 
 from absl import flags, logging
@@ -19,7 +20,10 @@ flags.DEFINE_integer("tokens", 64, "tokens to generate", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
 flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens only (0 = all)", lower_bound=0)
 flags.DEFINE_bool("stop_at_eos", True, "end the continuation at the end-of-document token")
-flags.DEFINE_integer("seed", 0, "sampling seed")
+# jax.random.key takes a signed 64-bit seed.
+flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=-(2**63), upper_bound=2**63 - 1)
+# lower_bound lets nan through (every comparison with it is false), and inf would sample uniformly.
+flags.register_validator("temperature", math.isfinite, message="must be a finite number")
 
 
 def main(argv):

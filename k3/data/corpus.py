@@ -2,8 +2,9 @@
 
 A *text corpus* (:class:`TextCorpus`) is an ordered list of documents, each with a stable name (a
 relative path, or ``relpath:line`` for JSONL), assigned to the train or validation split by a stable
-hash of that name. Texts are read lazily, so listing a corpus only costs a directory walk (JSONL
-files are read once to count their lines).
+hash of that name. Texts are read lazily, so listing a corpus only costs a directory walk and one
+read of each file ('text_dir' files to skip those that are not UTF-8 text, JSONL files to count
+their lines).
 
 A *token corpus* (:class:`TokenCorpus`) is a set of memory-mapped 1-D integer arrays (``.bin`` or
 ``.npy`` files) cut into documents: each file is a document, further cut after every EOS id when the

@@ -43,7 +43,7 @@ import numpy as np
 
 from k3.data import corpus as corpus_lib
 from k3.data.corpus import DataError
-from k3.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from k3.data.tokenizer import Tokenizer, load_or_train_tokenizer, tokenizer_file
 
 log = logging.getLogger(__name__)
 
@@ -365,8 +365,8 @@ class _StreamWriter:
             os.unlink(self.tmp)
             _write_npy_atomic(self.path, np.zeros(0, self.dtype))
             return
+        out_tmp = str(self.path) + ".npytmp"
         try:
-            out_tmp = str(self.path) + ".npytmp"
             out = np.lib.format.open_memmap(out_tmp, mode="w+", dtype=self.dtype, shape=(self.count,))
             src = np.memmap(self.tmp, dtype=self.dtype, mode="r", shape=(self.count,))
             for lo in range(0, self.count, 1 << 24):
@@ -377,6 +377,8 @@ class _StreamWriter:
             os.replace(out_tmp, self.path)
         finally:
             os.unlink(self.tmp)
+            if os.path.exists(out_tmp):  # a copy that failed (disk full, interrupt) half-way
+                os.unlink(out_tmp)
 
 
 def _read_meta(cache: Path) -> dict | None:
@@ -482,16 +484,22 @@ class PreparedData:
 
 
 def prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
-    """Loads (or builds) the tokenised streams: see `_prepare_data`. A failed attempt removes the
-    directories it created itself (``data_cache/``, and the workdir when it made it and left it
-    empty); files that were there before are never touched."""
+    """Loads (or builds) the tokenised streams: see `_prepare_data`. A failed attempt removes what
+    it created itself (``data_cache/``, a BPE tokenizer file it trained, and the workdir when it
+    made it and left it empty); files that were there before are never touched."""
     workdir = Path(workdir)
     made_workdir, made_cache = not workdir.exists(), not (workdir / CACHE_DIR).exists()
+    tok_file = tokenizer_file(cfg, workdir) if cfg.data.tokenizer == "bpe" else None
+    made_tok = tok_file is not None and not tok_file.exists()
     try:
         return _prepare_data(cfg, workdir)
     except BaseException:
         if made_cache:
             shutil.rmtree(workdir / CACHE_DIR, ignore_errors=True)
+        if made_tok:
+            # Trained on data that then failed to build: a retry on fixed data must retrain, since
+            # a cached tokenizer file is reused as is.
+            tok_file.unlink(missing_ok=True)
         if made_workdir and workdir.is_dir() and not any(workdir.iterdir()):
             workdir.rmdir()
         raise
@@ -541,8 +549,12 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
                                               eos_id=tok.eos_id, val_fraction=d.val_fraction, max_docs=d.max_docs)
             fd, tmp = _mkstemp(cache / "tokens_index.npz", ".tmp.npz")
             os.close(fd)
-            np.savez(tmp, doc_array=tc.doc_array, doc_start=tc.doc_start, doc_len=tc.doc_len, is_val=tc.is_val)
-            os.replace(tmp, cache / "tokens_index.npz")
+            try:
+                np.savez(tmp, doc_array=tc.doc_array, doc_start=tc.doc_start, doc_len=tc.doc_len, is_val=tc.is_val)
+                os.replace(tmp, cache / "tokens_index.npz")
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
             train, val = _split_streams(tc)
             meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "dtype": str(tc.arrays[0].dtype),
                     "train": {"num_docs": train.num_docs, "num_tokens": train.num_tokens},
