@@ -60,17 +60,19 @@ def _document_mask(segment_ids_BT):
     return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
 
 
-@ATTENTION.register("xla")
-def xla_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
-    """Causal softmax attention within documents. q, k: [B,T,H,D]; v: [B,T,H,E] with E <= D -> [B,T,H,E].
-
-    ``jax.nn.dot_product_attention`` wants equal head dims, so v is zero-padded to D and the
-    output sliced back to E.
-    """
+def _fused_sdpa(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float, implementation: str) -> jax.Array:
+    """``jax.nn.dot_product_attention`` (equal head dims: v is zero-padded to D, the output sliced
+    back to E), causal, with documents as a boolean mask."""
     E, D = v_BTHE.shape[-1], q_BTHD.shape[-1]
     out = jax.nn.dot_product_attention(q_BTHD, k_BTHD, _pad_v(v_BTHE, D), mask=_document_mask(segment_ids_BT),
-                                       scale=scale, is_causal=True, implementation="xla")
+                                       scale=scale, is_causal=True, implementation=implementation)
     return out[..., :E]
+
+
+@ATTENTION.register("xla")
+def xla_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
+    """Causal softmax attention within documents. q, k: [B,T,H,D]; v: [B,T,H,E] with E <= D -> [B,T,H,E]."""
+    return _fused_sdpa(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale, "xla")
 
 
 def _low_precision(*xs) -> bool:
@@ -79,13 +81,9 @@ def _low_precision(*xs) -> bool:
 
 @ATTENTION.register("cudnn", platforms=("gpu",))
 def cudnn_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale: float) -> jax.Array:
-    """`xla_attention` through cuDNN's fused kernel (documents as a boolean mask). Same shapes."""
-    if not _low_precision(q_BTHD, k_BTHD, v_BTHE):
-        return xla_attention(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale)
-    E, D = v_BTHE.shape[-1], q_BTHD.shape[-1]
-    out = jax.nn.dot_product_attention(q_BTHD, k_BTHD, _pad_v(v_BTHE, D), mask=_document_mask(segment_ids_BT),
-                                       scale=scale, is_causal=True, implementation="cudnn")
-    return out[..., :E]
+    """`xla_attention` through cuDNN's fused kernel (bf16/fp16 only; fp32 runs the XLA form). Same shapes."""
+    impl = "cudnn" if _low_precision(q_BTHD, k_BTHD, v_BTHE) else "xla"
+    return _fused_sdpa(q_BTHD, k_BTHD, v_BTHE, segment_ids_BT, scale, impl)
 
 
 @ATTENTION.register("pallas", platforms=("gpu",))
