@@ -9,7 +9,9 @@ count given (STYLE:D_MODEL:LAYERS), bf16 compute, Muon, and the platform's defau
 (``--set KEY=VALUE`` overrides any config key for every model, e.g. the reference paths:
 ``--set model.moe.expert_impl=ragged --set model.mla.attention_impl=xla --set model.kda.impl=chunk``).
 MFU = tokens/s x training FLOPs per token (the ``full`` convention of `k3.params`; ``6N`` in
-brackets) / the device's dense bf16 peak. Synthetic tokens in packed documents of 512; the median
+brackets) / the device's dense bf16 peak. ``full`` counts causal attention over the whole row; "MFU doc"
+counts it over the 512-token documents only, the work a kernel that skips other documents' blocks does.
+Synthetic tokens in packed documents of 512; the median
 of the timed steps is reported, with the device's peak memory and the routes dropped by a capacity.
 ``--profile_dir`` traces two more steps and prints where the time goes
 (`experiments.profile_step`). ``--fit_batches`` compiles (without running) the step at larger
@@ -75,12 +77,15 @@ def build_config(style, d_model, n_layers, seq_len, batch, remat, sets=()):
     return validate(cfg)
 
 
+DOC = 512  # document length of the synthetic batches
+
+
 def synthetic_batch(cfg, seed=0):
     """Random tokens [B, T] in packed documents of 512 (segment ids 1, 2, ...), all positions scored."""
     B, T = cfg.data.batch_size, cfg.data.seq_len
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.model.vocab_size, (B, T + 1), dtype=np.int32)
-    seg = (np.arange(T)[None, :] // 512 + 1).repeat(B, 0).astype(np.int32)
+    seg = (np.arange(T)[None, :] // DOC + 1).repeat(B, 0).astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
             "loss_mask": np.ones((B, T), np.float32)}
 
@@ -107,6 +112,7 @@ def bench(style, d_model, n_layers, seq_len, batch, steps, remat, sets=(), fit_b
     cfg = build_config(style, d_model, n_layers, seq_len, batch, remat, sets)
     counts = count_params(cfg.model)
     flops = flops_per_token(cfg.model, seq_len, counts)
+    flops_doc = flops_per_token(cfg.model, min(DOC, seq_len), counts)["full"]
     row = {"style": style, "d_model": d_model, "n_layers": n_layers, "remat": remat, "sets": list(sets),
            "kda_impl": KDA_CORES.resolve(cfg.model.kda.impl),
            "expert_impl": EXPERT_BACKENDS.resolve(cfg.model.moe.expert_impl),
@@ -143,6 +149,7 @@ def bench(style, d_model, n_layers, seq_len, batch, steps, remat, sets=(), fit_b
     row.update({"step_ms": step_s * 1e3, "step_ms_spread": (max(times) - min(times)) * 1e3, "tokens_per_s": tps,
                 "mfu_full": tps * flops["full"] / peak if peak else None,
                 "mfu_6N": tps * flops["6N"] / peak if peak else None,
+                "mfu_doc": tps * flops_doc / peak if peak else None,
                 "flops_per_token_full": flops["full"], "flops_per_token_6N": flops["6N"],
                 "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30 or None,
                 "dropped_route_frac": float(m["dropped_routes"]) / routes if routes else 0.0,
@@ -168,7 +175,7 @@ def bench(style, d_model, n_layers, seq_len, batch, steps, remat, sets=(), fit_b
 def print_table(rows):
     base = next((r["tokens_per_s"] for r in rows if "tokens_per_s" in r), None)
     print(f"\n{'model':<16}{'kernels (kda/expert/attn)':<28}{'total':>8}{'active':>8}{'tok/step':>9}"
-          f"{'step ms':>9}{'tok/s':>9}{'MFU full':>9}{'(6N)':>7}{'peak GiB':>9}{'drop':>7}{'vs first':>9}")
+          f"{'step ms':>9}{'tok/s':>9}{'MFU full':>9}{'(6N)':>7}{'doc':>7}{'peak GiB':>9}{'drop':>7}{'vs first':>9}")
     for r in rows:
         name = f"{r['style']} d{r['d_model']} L{r['n_layers']}"
         kern = f"{r['kda_impl'] if r['style'] == 'k3' else '-'}/{r['expert_impl']}/{r['attention_impl']}"
@@ -179,8 +186,9 @@ def print_table(rows):
             continue
         mfu = f"{r['mfu_full']:.3f}" if r["mfu_full"] is not None else "n/a"
         mfu6 = f"{r['mfu_6N']:.3f}" if r["mfu_6N"] is not None else "n/a"
+        mfud = f"{r['mfu_doc']:.3f}" if r.get("mfu_doc") is not None else "n/a"
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "n/a"
-        print(head + f"{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{mfu:>9}{mfu6:>7}{pk:>9}"
+        print(head + f"{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{mfu:>9}{mfu6:>7}{mfud:>7}{pk:>9}"
               f"{r['dropped_route_frac']:>7.3f}{r['tokens_per_s'] / base:>9.2f}")
         for tok, gib in (r.get("fit_gib") or {}).items():
             print(f"{'':<16}compile-only at {tok} tokens/step: "

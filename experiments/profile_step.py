@@ -52,7 +52,7 @@ _COPY = re.compile(r"memcpy|memset|\bcopy|transpose")
 # Library kernels (cuDNN, cuBLAS) run inside XLA's CUDA graphs carry no HLO op name in the trace, so
 # their names decide: cuDNN's fused attention, and fp32 (TF32) GEMMs, which in this train step are
 # Muon's Newton-Schulz products (the parameters and their updates are fp32; the model's matmuls bf16).
-_LIB_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop")
+_LIB_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop|flash_doc")
 _LIB_FP32_GEMM = re.compile(r"f32f32_tf32|tf32f32|sgemm")
 
 

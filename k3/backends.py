@@ -5,7 +5,7 @@ the config value. The layer looks its entry up once, at construction; `k3.config
 the config values against the tables' keys, so a new backend is one `register` call and nothing
 else lists the allowed names.
 
-    ATTENTION = Table("model.mla.attention_impl", auto={"gpu": "cudnn"}, default="xla")
+    ATTENTION = Table("model.mla.attention_impl", auto={"gpu": "flash"}, default="xla")
 
     @ATTENTION.register("xla")
     def xla_attention(q, k, v, segment_ids, scale): ...

@@ -42,6 +42,7 @@ def default_config() -> ConfigDict:
     m.dtype = "float32"  # compute dtype of activations and matmuls
     m.param_dtype = "float32"
     m.remat = False  # rematerialise each scanned layer group in the backward pass
+    m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots'
     m.scan_layers = True
 
     a = m.mla = ConfigDict()
@@ -55,7 +56,8 @@ def default_config() -> ConfigDict:
     a.rope_theta = 50000.0
     a.output_gate = True  # K3: sigmoid full-rank output gate
     a.norm_eps = 1e-6  # q_a / kv_a norms
-    a.attention_impl = "auto"  # k3.mla.ATTENTION: 'auto' (cudnn on GPU, xla elsewhere), 'xla', 'cudnn', 'pallas'
+    a.attention_impl = "auto"  # k3.mla.ATTENTION: 'auto' ('flash' on GPU, 'xla' elsewhere), 'xla', 'cudnn',
+    # 'pallas', 'flash' (document-skipping Pallas kernel)
 
     k = m.kda = ConfigDict()
     k.n_heads = 4
@@ -163,6 +165,7 @@ _TABLES = {
     "model.kda.impl": ("k3.ops.kda", "KDA_CORES"),
     "model.moe.expert_impl": ("k3.moe", "EXPERT_BACKENDS"),
     "model.mla.attention_impl": ("k3.mla", "ATTENTION"),
+    "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
 }
 
 

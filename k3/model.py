@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3 import attn_res
+from k3.backends import Table
 from k3.config import layer_kinds
 from k3.ffn import GLUMLP
 from k3.kda import KDA
@@ -23,6 +24,24 @@ from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder, constrain
 
 _ACT_BTD = ("batch", "seq", "act_embed")
+
+# What a rematerialised layer group keeps for the backward pass (``model.remat_policy``, used when
+# ``model.remat`` is on); each entry returns a `jax.checkpoint` policy.
+REMAT_POLICIES = Table("model.remat_policy", default="full")
+
+
+@REMAT_POLICIES.register("full")
+def _keep_inputs_only():
+    """Keep each group's inputs only: the whole forward runs again in the backward pass."""
+    return None
+
+
+@REMAT_POLICIES.register("dots")
+def _keep_projections():
+    """Keep the outputs of matmuls without batch dimensions (the layers' projections, the shared
+    experts, the router), recompute the rest (norms, gates, attention and KDA kernels, batched
+    expert GEMMs): less recomputation than 'full' for the memory of the projection outputs."""
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 def _constrain_stream(stream: dict, sharder: Sharder | None) -> dict:
@@ -145,6 +164,7 @@ class Model(nnx.Module):
         kinds = layer_kinds(cfg)
         self.sharder = sharder
         self.remat = cfg.remat
+        self.remat_policy = REMAT_POLICIES.get(cfg.remat_policy)()
         self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
         self.n_slots = attn_res.n_bank_slots(cfg.n_layers, cfg.attn_res_block_size)
         head, (start, period, repeats), tail = plan_layers(cfg)
@@ -181,7 +201,7 @@ class Model(nnx.Module):
         def run(state, stream, segment_ids_BT):
             return nnx.merge(graphdef, state)(stream, idx, segment_ids_BT)
 
-        return jax.checkpoint(run)(state, stream, segment_ids_BT)
+        return jax.checkpoint(run, policy=self.remat_policy)(state, stream, segment_ids_BT)
 
     def hidden(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Final-normed hidden states [B, T, D] for int tokens [B, T], and the routing statistics.
@@ -208,7 +228,7 @@ class Model(nnx.Module):
                 return (stream, first + period), stats
 
             if self.remat:
-                group_step = jax.checkpoint(group_step)
+                group_step = jax.checkpoint(group_step, policy=self.remat_policy)
             (stream, _), stats["body"] = jax.lax.scan(
                 group_step, (stream, jnp.asarray(self.body_start, jnp.int32)), state)
         for i, layer in zip(self.tail_idx, self.tail_layers):

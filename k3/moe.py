@@ -86,27 +86,54 @@ def capacity_slots(idx_Nk: jax.Array, n_experts: int, capacity: int):
     return slot, route_of_slot
 
 
+@jax.custom_vjp
+def gather_rows(x_MD: jax.Array, index_R: jax.Array, inverse_MJ: jax.Array) -> jax.Array:
+    """Rows of x with a zero row appended: out[r] = x[index[r]], zeros where index[r] == M. [R, D].
+
+    ``inverse`` [M, J] lists the output rows that read each input row (R where fewer than J do), so
+    the gradient is a gather and a J-term sum, dx[m] = sum_j dout[inverse[m, j]], instead of the
+    scatter-add that differentiating an indexing op produces (atomics on a GPU).
+    """
+    x_pad = jnp.concatenate([x_MD, jnp.zeros((1, x_MD.shape[1]), x_MD.dtype)], axis=0)
+    return x_pad[index_R]
+
+
+def _gather_rows_fwd(x_MD, index_R, inverse_MJ):
+    return gather_rows(x_MD, index_R, inverse_MJ), (index_R, inverse_MJ)
+
+
+def _gather_rows_bwd(res, dout_RD):
+    index_R, inverse_MJ = res
+    d_pad = jnp.concatenate([dout_RD, jnp.zeros((1, dout_RD.shape[1]), dout_RD.dtype)], axis=0)
+    dx = jnp.sum(d_pad[inverse_MJ].astype(jnp.float32), axis=1).astype(dout_RD.dtype)
+    return dx, None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 @EXPERT_BACKENDS.register("capacity")
 def capacity_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas, capacity=1.25):
     """Expert FFN with a fixed number of rows per expert, as batched dense matmuls.
 
     x: [N, D]; idx: [N, k]; weights [E, D, F] / [E, F, D]; ``capacity``: rows per expert as a multiple
     of the mean load N k / E (`expert_capacity`). Returns ([N, k, D] in x.dtype, zero for dropped
-    routes; the number of dropped routes, int32). Both data movements are gathers, whose gradients
-    are scatter-adds of the same rows.
+    routes; the number of dropped routes, int32). Both data movements and their gradients are
+    gathers (`gather_rows`): slots and routes are a matching, so each side inverts the other.
     """
     N, k = idx_Nk.shape
     E = w_gate_EDF.shape[0]
     C = expert_capacity(N * k, E, capacity)
     slot, route_of_slot = capacity_slots(idx_Nk, E, C)
-    x_pad = jnp.concatenate([x_ND, jnp.zeros((1, x_ND.shape[1]), x_ND.dtype)], axis=0)
-    xs = x_pad[route_of_slot // k].reshape(E, C, -1)  # empty slots read the zero row N
+    # Dispatch: slot s reads token route_of_slot[s] // k (N: empty); token n feeds slots slot[n, :].
+    xs = gather_rows(x_ND, route_of_slot // k, slot.reshape(N, k)).reshape(E, C, -1)
     gate = jnp.einsum("ecd,edf->ecf", xs, w_gate_EDF)
     up = jnp.einsum("ecd,edf->ecf", xs, w_up_EDF)
     out = jnp.einsum("ecf,efd->ecd", glu_activation(gate, up, activation, *betas), w_down_EFD)
-    out_pad = jnp.concatenate([out.reshape(E * C, -1), jnp.zeros((1, out.shape[-1]), out.dtype)], axis=0)
+    # Combine: route r reads slot[r] (E*C: dropped); slot s feeds route route_of_slot[s] (N k: none).
+    y = gather_rows(out.reshape(E * C, -1), slot, route_of_slot[:, None])
     dropped = jnp.sum(slot == E * C).astype(jnp.int32)
-    return out_pad[slot].reshape(N, k, -1), dropped
+    return y.reshape(N, k, -1), dropped
 
 
 @EXPERT_BACKENDS.register("dense")

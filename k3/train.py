@@ -285,7 +285,8 @@ IDENTITY_SECTIONS = ("model", "data", "optim", "seed")
 
 
 # Knobs inside the identity sections that change how, not what, is computed.
-NOT_IDENTITY = ("model.moe.ep_dispatch", "model.kda.impl", "model.mla.attention_impl")
+NOT_IDENTITY = ("model.moe.ep_dispatch", "model.kda.impl", "model.mla.attention_impl", "model.remat",
+                "model.remat_policy")
 
 
 def run_identity(cfg) -> dict:

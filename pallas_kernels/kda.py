@@ -63,14 +63,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from k3.ops.kda import _document_index, _validate
+from pallas_kernels.common import default_interpret, document_index, pow2_at_least_16
+from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = ["chunk_kda"]
 
@@ -654,17 +654,6 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 # ----------------------------------------------------------------------------------------------------
 
 
-def _default_interpret():
-    env = os.environ.get("K3_PALLAS_INTERPRET")
-    if env is not None:
-        return env not in ("0", "false", "False", "")
-    return jax.default_backend() != "gpu"
-
-
-def _pow2_at_least_16(n):
-    return max(16, 1 << (int(n) - 1).bit_length())
-
-
 def _check_gate_callback(g_min, lower_bound):
     if float(g_min) < lower_bound:
         raise ValueError(f"chunk_kda: the log decay g reaches {float(g_min):.4g}, below lower_bound = "
@@ -674,18 +663,18 @@ def _check_gate_callback(g_min, lower_bound):
 def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, chunk_size,
              lower_bound, check_gate, matmul_dtype):
     """Static config and the padded kernel inputs (q, k, v, Gamma, beta, h0^T, doc, mf, ml)."""
-    B, T, H, K0, V0 = _validate(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K0, V0 = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if chunk_size not in _CHUNKS:
         raise ValueError(f"chunk_kda: chunk_size must be one of {_CHUNKS}; got {chunk_size!r}")
     if not (_MIN_LOWER_BOUND <= float(lower_bound) < 0):
         raise ValueError(f"chunk_kda: lower_bound must be in [{_MIN_LOWER_BOUND}, 0); got {lower_bound}")
     scale = K0**-0.5 if scale is None else float(scale)
-    interpret = _default_interpret() if interpret is None else bool(interpret)
+    interpret = default_interpret() if interpret is None else bool(interpret)
     low_precision = any(jnp.dtype(x.dtype).itemsize < 4 for x in (q, k, v))
     in_dtype = jnp.bfloat16 if low_precision else jnp.float32
     C = chunk_size
     NT = max(1, math.ceil(T / C))
-    Tp, K, V = NT * C, _pow2_at_least_16(K0), _pow2_at_least_16(V0)
+    Tp, K, V = NT * C, pow2_at_least_16(K0), pow2_at_least_16(V0)
     BV = min(V, 64)
     if matmul_dtype is None:
         matmul_dtype = "float32"
@@ -712,7 +701,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
 
     # Documents as float ids (exact below 2^24), and the two per-token masks: sees the incoming
     # state (same document as the token before the chunk), belongs to the chunk's last document.
-    doc = jnp.pad(_document_index(segment_ids, None, B, T), [(0, 0), (0, Tp - T)], mode="edge")
+    doc = jnp.pad(document_index(segment_ids, None, B, T), [(0, 0), (0, Tp - T)], mode="edge")
     doc_BNC = doc.reshape(B, NT, C)
     prev = jnp.concatenate([doc_BNC[:, :1, 0], doc_BNC[:, :-1, -1]], axis=1)
     mf = (doc_BNC == prev[..., None]).reshape(B, Tp).astype(jnp.float32)
@@ -759,7 +748,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
     """
-    B, T, H, K0, V0 = _validate(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K0, V0 = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
     cfg, args = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          segment_ids=segment_ids, interpret=interpret, chunk_size=chunk_size,
                          lower_bound=lower_bound, check_gate=check_gate, matmul_dtype=matmul_dtype)

@@ -36,7 +36,7 @@ def test_default_tables_pick_the_fast_paths_on_gpu_and_references_elsewhere():
     assert KDA_CORES.resolve("auto", "gpu") == "pallas" and KDA_CORES.resolve("auto", "cpu") == "chunk"
     assert EXPERT_BACKENDS.resolve("auto", "gpu") == "capacity"
     assert EXPERT_BACKENDS.resolve("auto", "tpu") == "ragged"
-    assert ATTENTION.resolve("auto", "gpu") == "cudnn" and ATTENTION.resolve("auto", "cpu") == "xla"
+    assert ATTENTION.resolve("auto", "gpu") == "flash" and ATTENTION.resolve("auto", "cpu") == "xla"
 
 
 @pytest.mark.parametrize("key,bad", [("model.kda.impl", "flash"), ("model.moe.expert_impl", "megablocks"),
@@ -73,6 +73,7 @@ def test_categorize_by_scope_and_by_library_kernel_name():
     assert categorize("fusion_9", "MoE/routed_experts/dot_general") == "expert matmuls"
     assert categorize("input_scatter_fusion", "routed_experts/scatter-add") == "expert dispatch"
     assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", "") == "attention"
+    assert categorize("flash_doc_dkdv", "") == "attention"
     assert categorize("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n", "") == "fp32 matmuls"
     assert categorize("nvjet_sm90_tst_128x160", "") == "dense matmuls"
     assert categorize("kda_intra_fwd", "") == "KDA"

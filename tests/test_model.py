@@ -143,15 +143,16 @@ def test_config_errors_name_the_key():
 def test_remat_of_unrolled_and_scanned_layers_keeps_loss_and_gradients():
     """remat recomputes the layers outside the scanned body one by one and the body group by group;
     the numbers do not change. 7 layers, period 2: two unrolled head layers (the dense first one
-    and the rest of its period), two scanned groups, the extra last MLA layer unrolled."""
+    and the rest of its period), two scanned groups, the extra last MLA layer unrolled. Both remat
+    policies ('full' keeps the inputs only, 'dots' also the projections) give the same numbers."""
     cfg = tiny_model_cfg(n_layers=7, mla_period=2, first_k_dense=1)
     head, (start, period, repeats), tail = plan_layers(cfg)
     assert head and repeats == 2 and tail
     tokens = jax.random.randint(jax.random.key(3), (2, 24), 0, cfg.vocab_size)
     segments = jnp.repeat(jnp.array([[0] * 10 + [1] * 14]), 2, axis=0)
     results = []
-    for remat in (False, True):
-        cfg.remat = remat
+    for remat, policy in ((False, "full"), (True, "full"), (True, "dots")):
+        cfg.remat, cfg.remat_policy = remat, policy
         graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
         def loss(params):
@@ -159,7 +160,8 @@ def test_remat_of_unrolled_and_scanned_layers_keeps_loss_and_gradients():
             return cross_entropy(logits, tokens[:, 1:])
 
         results.append(jax.jit(jax.value_and_grad(loss))(params))
-    (l0, g0), (l1, g1) = results
-    np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    (l0, g0), *rest = results
+    for l1, g1 in rest:
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)

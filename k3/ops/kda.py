@@ -30,10 +30,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from k3.backends import Table
+from pallas_kernels.common import document_index
+from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = [
     "chunk_kda_reference",
@@ -57,68 +58,9 @@ KDA_CORES = Table("model.kda.impl", default="chunk", auto={"gpu": "pallas"})
 # ----------------------------------------------------------------------------------------------------
 
 
-def _validate(q, k, v, g, beta, initial_state=None, segment_ids=None, cu_seqlens=None):
-    """Checks the shapes of the core's arguments; returns (B, T, H, K, V)."""
-    q_shape = jnp.shape(q)
-    if len(q_shape) != 4:
-        raise ValueError(f"q must be [B, T, H, K]; got shape {q_shape}")
-    B, T, H, K = q_shape
-    if jnp.shape(k) != q_shape:
-        raise ValueError(f"k must have the shape of q {q_shape} ([B, T, H, K]); got {jnp.shape(k)}")
-    v_shape = jnp.shape(v)
-    if len(v_shape) != 4 or v_shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] with (B, T, H) = {(B, T, H)}; got shape {v_shape}")
-    V = v_shape[3]
-    if jnp.shape(g) != q_shape:
-        raise ValueError(f"g must have the shape of q {q_shape} ([B, T, H, K]); got {jnp.shape(g)}")
-    if jnp.shape(beta) != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got shape {jnp.shape(beta)}")
-    if initial_state is not None and jnp.shape(initial_state) != (B, H, K, V):
-        raise ValueError(
-            f"initial_state must be [B, H, K, V] = {(B, H, K, V)}; got shape {jnp.shape(initial_state)}"
-        )
-    if segment_ids is not None and jnp.shape(segment_ids) != (B, T):
-        raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got shape {jnp.shape(segment_ids)}")
-    if cu_seqlens is not None:
-        _validate_cu_seqlens(cu_seqlens, B, T, segment_ids)
-    return B, T, H, K, V
-
-
-def _validate_cu_seqlens(cu_seqlens, B, T, segment_ids):
-    if segment_ids is not None:
-        raise ValueError("pass either segment_ids or cu_seqlens, not both")
-    if B != 1:
-        raise ValueError(f"cu_seqlens requires batch size 1 (packed rows); got B = {B}")
-    cu_shape = jnp.shape(cu_seqlens)
-    if len(cu_shape) != 1 or cu_shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1; got shape {cu_shape}")
-    try:
-        cu = np.asarray(cu_seqlens)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        return  # traced values can only be checked for shape
-    if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
-        raise ValueError(f"cu_seqlens must rise from 0 to T = {T}; got {cu.tolist()}")
-
-
 def _compute_dtype(*xs):
     """float64 when any input is float64 (only possible with x64 enabled), else float32."""
     return jnp.float64 if jnp.result_type(*xs) == jnp.float64 else jnp.float32
-
-
-def _document_index(segment_ids_BT, cu_seqlens, B, T):
-    """[B, T] int32 index of each token's document within its row: 0, 0, ..., 1, 1, ..., 2, ...
-
-    Counting id changes (rather than comparing ids) makes documents contiguous runs, so masks built
-    from "same document" can never join two separate runs that happen to reuse an id.
-    """
-    if cu_seqlens is not None:
-        token_BT = jnp.arange(T)[None, :]
-        return (jnp.searchsorted(jnp.asarray(cu_seqlens), token_BT, side="right") - 1).astype(jnp.int32)
-    if segment_ids_BT is None:
-        return jnp.zeros((B, T), jnp.int32)
-    seg_BT = jnp.asarray(segment_ids_BT)
-    starts_BT1 = (seg_BT[:, 1:] != seg_BT[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(starts_BT1, axis=1)], axis=1)
 
 
 def _initial_state(initial_state, B, H, K, V, dtype):
@@ -160,10 +102,10 @@ def recurrent_kda(
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 (float64 for float64 inputs) or None).
     """
-    B, T, H, K, V = _validate(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
+    B, T, H, K, V = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
     scale = K**-0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta)
-    doc_BT = _document_index(segment_ids, cu_seqlens, B, T)
+    doc_BT = document_index(segment_ids, cu_seqlens, B, T)
     new_doc_BT = jnp.concatenate([jnp.zeros((B, 1), bool), doc_BT[:, 1:] != doc_BT[:, :-1]], axis=1)
 
     def step(S_BHKV, xs):
@@ -348,7 +290,7 @@ def chunk_kda_reference(
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 (float64 for float64 inputs) or None).
     """
-    B, T, H, K, V = _validate(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
+    B, T, H, K, V = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     scale = K**-0.5 if scale is None else scale
@@ -366,7 +308,7 @@ def chunk_kda_reference(
     beta_NBHC1 = to_chunks(jnp.asarray(beta)[..., None])
 
     # Padding continues the row's last document so it cannot reset the final state.
-    doc_BT = jnp.pad(_document_index(segment_ids, cu_seqlens, B, T), [(0, 0), (0, pad)], mode="edge")
+    doc_BT = jnp.pad(document_index(segment_ids, cu_seqlens, B, T), [(0, 0), (0, pad)], mode="edge")
     doc_NBC = doc_BT.reshape(B, N, C).transpose(1, 0, 2)
     # Document of the token just before each chunk; chunk 0 treats initial_state as the first
     # document's past.
@@ -566,7 +508,7 @@ def kda_core(
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
     """
     core = KDA_CORES.get(impl)
-    _validate(q, k, v, g, beta, initial_state, segment_ids)
+    validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
     return core(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 segment_ids=segment_ids, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound,
                 matmul_dtype=matmul_dtype)

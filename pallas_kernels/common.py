@@ -1,0 +1,38 @@
+"""Helpers every Pallas kernel module here shares: where the kernels run and how operands are padded."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+
+def default_interpret() -> bool:
+    """Whether kernels called with ``interpret=None`` run in Pallas interpret mode: off a GPU, or as
+    the ``K3_PALLAS_INTERPRET`` environment variable says ('0'/'false'/'' = compiled)."""
+    env = os.environ.get("K3_PALLAS_INTERPRET")
+    if env is not None:
+        return env not in ("0", "false", "False", "")
+    return jax.default_backend() != "gpu"
+
+
+def pow2_at_least_16(n: int) -> int:
+    """The smallest power of two >= max(n, 16): Triton tiles need power-of-two sides of 16 or more."""
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def document_index(segment_ids_BT, cu_seqlens, B, T):
+    """[B, T] int32 index of each token's document within its row: 0, 0, ..., 1, 1, ..., 2, ...
+
+    Counting id changes (rather than comparing ids) makes documents contiguous runs, so masks built
+    from "same document" can never join two separate runs that happen to reuse an id.
+    """
+    if cu_seqlens is not None:
+        token_BT = jnp.arange(T)[None, :]
+        return (jnp.searchsorted(jnp.asarray(cu_seqlens), token_BT, side="right") - 1).astype(jnp.int32)
+    if segment_ids_BT is None:
+        return jnp.zeros((B, T), jnp.int32)
+    seg_BT = jnp.asarray(segment_ids_BT)
+    starts_BT1 = (seg_BT[:, 1:] != seg_BT[:, :-1]).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(starts_BT1, axis=1)], axis=1)
