@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from k3.backends import BackendError
 from k3.mla import ATTENTION
 from pallas_kernels.flash_attention import flash_attention
-from k3.train import device_peak_flops
+from k3.hardware import device_peak_flops
 
 
 def _time(fn, *args, reps=20):

@@ -287,7 +287,8 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
     import jax.numpy as jnp
 
     from k3.data.pipeline import TrainIterator, ValSource
-    from k3.train import (abstract_like, checkpoint_manager, device_peak_flops, evaluate, make_run,
+    from k3.hardware import device_peak_flops
+    from k3.train import (abstract_like, checkpoint_manager, evaluate, make_run,
                           restore_checkpoint, save_checkpoint, to_host)
 
     cfg = run["cfg"]

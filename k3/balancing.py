@@ -25,12 +25,21 @@ B uniform bins over [min(b) - 1, max(b) + 1] per expert (s in (0, 1) and alpha i
 devices are summed by one all-reduce, and the quantile is read off the summed histogram.
 
 Array suffixes name the axes: N tokens, E experts, k routes per token, B histogram bins.
+
+`BALANCERS` (keyed by ``model.moe.balancing``) says, for each rule, what the router computes and how
+the step turns its statistics into the next bias: see `Balancer`. The MoE layer and the train step
+look the rule up once and never branch on its name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+
+from k3.backends import Table
 
 
 def topk_route(scores_NE: jax.Array, bias_E: jax.Array, k: int, extra: int = 0):
@@ -208,3 +217,40 @@ def imbalance(load_E: jax.Array) -> jax.Array:
     """max(load) / mean(load) of an [E] load vector: a float32 scalar, 1.0 when perfectly balanced."""
     load = load_E.astype(jnp.float32)
     return jnp.max(load) / jnp.mean(load)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules as table entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Balancer:
+    """One balancing rule, as the router and the train step use it.
+
+    extra_routes: candidates past the top k that the router ranks (Quantile Balancing reads each
+      token's threshold from the (k+1)-th).
+    balance: (scores [N, E] fp32, alpha [N], bias [E], top_k, bins) -> the 'balance' statistic, or
+      None when the rule needs only the expert loads.
+    summable: 'balance' of disjoint token sets adds up (histograms): each device and micro-batch
+      computes its own and they are summed. Otherwise it needs all of a step's tokens at once and
+      micro-batches average it.
+    update: (bias [E], stats {'load', 'balance'?}, moe config, tokens in the step) -> the next bias.
+    """
+
+    extra_routes: int
+    balance: Callable | None
+    summable: bool
+    update: Callable
+
+
+BALANCERS = Table("model.moe.balancing", default="quantile_hist")
+
+BALANCERS.register("none")(Balancer(0, None, True, lambda bias, stats, cfg, n: bias))
+BALANCERS.register("sign")(Balancer(
+    0, None, True, lambda bias, stats, cfg, n: sign_update(bias, stats["load"], cfg.sign_rate)))
+BALANCERS.register("quantile")(Balancer(
+    1, lambda scores, alpha, bias, k, bins: quantile_bias_exact(scores, alpha, k), False,
+    lambda bias, stats, cfg, n: stats["balance"]))
+BALANCERS.register("quantile_hist")(Balancer(
+    1, lambda scores, alpha, bias, k, bins: quantile_histogram(scores, alpha, bias, bins), True,
+    lambda bias, stats, cfg, n: quantile_bias_from_histogram(stats["balance"], bias, n, cfg.top_k)))

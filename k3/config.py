@@ -76,7 +76,7 @@ def default_config() -> ConfigDict:
     e.latent_dim = 64  # 0: experts at full width (K2); >0: LatentMoE (K3)
     e.shared_dim = 128  # width of the (single, merged) shared-expert MLP; 0 for none
     e.routed_scaling = 1.0
-    e.balancing = "quantile_hist"  # 'quantile_hist', 'quantile', 'sign' or 'none'
+    e.balancing = "quantile_hist"  # k3.balancing.BALANCERS: 'quantile_hist', 'quantile', 'sign', 'none'
     e.sign_rate = 1e-3
     e.hist_bins = 1000
     e.capacity_factor = 0.0  # expert-parallel all-to-all: 0 = dropless; c > 0 caps each device at c N k / P routes
@@ -148,7 +148,6 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.kda.gate": ("bounded", "softplus"),
-    "model.moe.balancing": ("quantile_hist", "quantile", "sign", "none"),
     "model.moe.ep_dispatch": ("auto", "padded", "ragged", "ragged_emulated"),
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd", "external"),
@@ -166,6 +165,7 @@ _TABLES = {
     "model.moe.expert_impl": ("k3.moe", "EXPERT_BACKENDS"),
     "model.mla.attention_impl": ("k3.mla", "ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
+    "model.moe.balancing": ("k3.balancing", "BALANCERS"),
 }
 
 
@@ -288,8 +288,10 @@ def validate(cfg: ConfigDict) -> ConfigDict:
                           f"(model.kda.impl={m.kda.impl!r} runs it here), got {m.kda.chunk_size}")
     if m.moe.top_k > m.moe.n_experts or m.moe.top_k <= 0:
         raise ConfigError(f"model.moe.top_k must be in [1, n_experts], got {m.moe.top_k}")
-    if m.moe.balancing.startswith("quantile") and m.moe.top_k >= m.moe.n_experts:
-        raise ConfigError("model.moe quantile balancing routes top-(k+1): needs top_k < n_experts")
+    extra = _choices_table("model.moe.balancing").get(m.moe.balancing).extra_routes
+    if m.moe.top_k + extra > m.moe.n_experts:
+        raise ConfigError(f"model.moe.balancing={m.moe.balancing!r} ranks top-(k+{extra}) experts: needs "
+                          f"top_k + {extra} <= n_experts, got top_k={m.moe.top_k}, n_experts={m.moe.n_experts}")
     if m.mla.use_rope and m.mla.qk_rope_dim % 2:
         raise ConfigError(f"model.mla.qk_rope_dim must be even for RoPE, got {m.mla.qk_rope_dim}")
     if cfg.data.seq_len <= 0 or cfg.data.batch_size <= 0:

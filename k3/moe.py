@@ -158,7 +158,7 @@ class MoE(nnx.Module):
         if self.ep_dispatch == "auto":
             self.ep_dispatch = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
         self.n_experts, self.top_k, self.scaling = E, e.top_k, e.routed_scaling
-        self.balancing, self.hist_bins = e.balancing, e.hist_bins
+        self.balancer, self.hist_bins = balancing.BALANCERS.get(e.balancing), e.hist_bins
         self.activation, self.betas = cfg.activation, (cfg.situ_beta_gate, cfg.situ_beta_up)
         self.dtype = jnp.dtype(cfg.dtype)
         self.experts = EXPERT_BACKENDS.get(e.expert_impl)
@@ -183,9 +183,9 @@ class MoE(nnx.Module):
     def route(self, x_ND: jax.Array):
         """Router: (expert ids [N, k], combine weights [N, k] fp32, scores [N, E], alpha [N] or None)."""
         scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ self.router[...].astype(jnp.float32))
-        extra = 1 if self.balancing.startswith("quantile") else 0
         bias = jax.lax.stop_gradient(self.router_bias[...])
-        idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k, extra=extra)
+        idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k,
+                                          extra=self.balancer.extra_routes)
         picked = jnp.take_along_axis(scores, idx, axis=-1)
         weights = picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * self.scaling
         return idx, weights, scores, alpha
@@ -220,11 +220,11 @@ class MoE(nnx.Module):
         B, T = bt
         to_bt = lambda a: a.reshape((B, T) + a.shape[1:])  # noqa: E731
         bias = jax.lax.stop_gradient(self.router_bias[...])
-        E, bins = self.n_experts, self.hist_bins
-        if self.balancing == "quantile_hist":
+        E, bins, rule = self.n_experts, self.hist_bins, self.balancer
+        if rule.balance is not None and rule.summable:  # per device, summed with the loads
             def stats_fn(idx, scores, alpha):
                 return {"load": balancing.expert_load(idx, E),
-                        "balance": balancing.quantile_histogram(scores, alpha, bias, bins)}
+                        "balance": rule.balance(scores, alpha, bias, self.top_k, bins)}
             stats_inputs = (to_bt(jax.lax.stop_gradient(scores_NE)), to_bt(alpha_N))
         else:
             def stats_fn(idx):
@@ -234,31 +234,23 @@ class MoE(nnx.Module):
             self.sharder, to_bt(h_NW), to_bt(idx_Nk), to_bt(weights_Nk), w_gate, w_up, w_down,
             activation=self.activation, betas=self.betas, capacity_factor=self.capacity_factor,
             stats_fn=stats_fn, stats_inputs=stats_inputs, dispatch=self.ep_dispatch)
-        if self.balancing == "quantile":  # the exact quantile needs every token's margins at once
-            stats["balance"] = balancing.quantile_bias_exact(jax.lax.stop_gradient(scores_NE), alpha_N, self.top_k)
+        if rule.balance is not None and not rule.summable:  # e.g. the exact quantile: every token at once
+            stats["balance"] = rule.balance(jax.lax.stop_gradient(scores_NE), alpha_N, bias, self.top_k, bins)
         stats["dropped"] = dropped.astype(jnp.float32)
         return y.reshape(B * T, -1), stats
 
     def stats(self, idx_Nk, scores_NE, alpha_N) -> dict:
-        """Statistics for the bias update: 'load' [E] always; 'balance' = the QB histogram
-        [E, bins] int32 ('quantile_hist', summable over micro-batches and devices) or the exact
-        QB bias [E] ('quantile')."""
-        scores = jax.lax.stop_gradient(scores_NE)
+        """Statistics for the bias update: 'load' [E] always; 'balance' when the rule has one
+        (`k3.balancing.Balancer`): the QB histogram [E, bins] int32 ('quantile_hist', summable over
+        micro-batches and devices) or the exact QB bias [E] ('quantile')."""
         out = {"load": balancing.expert_load(idx_Nk, self.n_experts)}
-        if self.balancing == "quantile_hist":
-            out["balance"] = balancing.quantile_histogram(scores, alpha_N, self.router_bias[...], self.hist_bins)
-        elif self.balancing == "quantile":
-            out["balance"] = balancing.quantile_bias_exact(scores, alpha_N, self.top_k)
+        if self.balancer.balance is not None:
+            out["balance"] = self.balancer.balance(jax.lax.stop_gradient(scores_NE), alpha_N,
+                                                   jax.lax.stop_gradient(self.router_bias[...]), self.top_k,
+                                                   self.hist_bins)
         return out
 
 
 def new_bias(bias_E, stats: dict, moe_cfg, n_tokens) -> jax.Array:
-    """The next step's router bias for one MoE layer from its statistics (see `MoE.stats`)."""
-    kind = moe_cfg.balancing
-    if kind == "sign":
-        return balancing.sign_update(bias_E, stats["load"], moe_cfg.sign_rate)
-    if kind == "quantile":
-        return stats["balance"]
-    if kind == "quantile_hist":
-        return balancing.quantile_bias_from_histogram(stats["balance"], bias_E, n_tokens, moe_cfg.top_k)
-    return bias_E
+    """The next step's router bias [E] for one MoE layer from its statistics (see `MoE.stats`)."""
+    return balancing.BALANCERS.get(moe_cfg.balancing).update(bias_E, stats, moe_cfg, n_tokens)

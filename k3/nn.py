@@ -15,11 +15,6 @@ from flax import nnx
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
-def dtype_of(name: str) -> jnp.dtype:
-    """'float32' / 'bfloat16' -> the jnp dtype."""
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}[name]
-
-
 def param(
     rngs: nnx.Rngs,
     init: Initializer,

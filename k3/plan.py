@@ -54,8 +54,9 @@ from flax import nnx
 from k3 import optim as k3_optim
 from k3.attn_res import n_bank_slots
 from k3.config import layer_kinds, validate
+from k3.hardware import PEAK_BF16_FLOPS
 from k3.model import plan_layers
-from k3.params import abstract_model, count_params, flops_per_token
+from k3.params import ROUTED, abstract_model, count_params, flops_per_token
 from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
 
 
@@ -76,21 +77,20 @@ class Device:
 # move at half of it. The H200 memory is the nominal 141e9 bytes: the lent H200 reports about
 # 139 GiB (1.49e11 bytes) usable, so this errs on the safe side by about 5%.
 DEVICES: dict[str, Device] = {
-    "h200": Device("NVIDIA H200 SXM", 141e9, 989e12, 450e9, 50e9, 8,
+    "h200": Device("NVIDIA H200 SXM", 141e9, PEAK_BF16_FLOPS["H200"], 450e9, 50e9, 8,
                    "141e9 B HBM3e (nominal), NVLink4 900 GB/s bidirectional, 400 Gb/s IB per GPU"),
-    "h100": Device("NVIDIA H100 SXM 80GB", 80e9, 989e12, 450e9, 50e9, 8,
+    "h100": Device("NVIDIA H100 SXM 80GB", 80e9, PEAK_BF16_FLOPS["H100"], 450e9, 50e9, 8,
                    "80e9 B HBM3 (nominal), NVLink4 900 GB/s bidirectional, 400 Gb/s IB per GPU"),
-    "a100-80g": Device("NVIDIA A100 SXM 80GB", 80e9, 312e12, 300e9, 25e9, 8,
+    "a100-80g": Device("NVIDIA A100 SXM 80GB", 80e9, PEAK_BF16_FLOPS["A100"], 300e9, 25e9, 8,
                        "80e9 B HBM2e, NVLink3 600 GB/s bidirectional, 200 Gb/s IB per GPU"),
-    "b200": Device("NVIDIA B200 (HGX)", 180e9, 2250e12, 900e9, 50e9, 8,
+    "b200": Device("NVIDIA B200 (HGX)", 180e9, PEAK_BF16_FLOPS["B200"], 900e9, 50e9, 8,
                    "180e9 B HBM3e, NVLink5 1.8 TB/s bidirectional, 400 Gb/s IB per GPU"),
-    "tpu-v5p": Device("Google TPU v5p", 95e9, 459e12, 90e9, 6.25e9, 8960,
+    "tpu-v5p": Device("Google TPU v5p", 95e9, PEAK_BF16_FLOPS["TPU v5p"], 90e9, 6.25e9, 8960,
                       "95e9 B HBM2e; a whole pod is one ICI torus (approximate per-axis ring rate); "
                       "DCN across pods ~200 Gb/s per 4-chip host"),
 }
 
 GB = 1e9
-ROUTED = ("w_gate", "w_up", "w_down")
 
 
 class PlanError(ValueError):

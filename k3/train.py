@@ -33,8 +33,10 @@ import optax
 from flax import nnx
 
 from k3 import optim, sharding
+from k3.balancing import BALANCERS
 from k3.config import ConfigError, validate
 from k3.data import DataError, build_datasets
+from k3.hardware import device_peak_flops
 from k3.model import Model, apply_qk_clip, cross_entropy, update_router_biases
 from k3.moe import EXPERT_BACKENDS
 from k3.params import count_params, flops_per_token
@@ -42,22 +44,6 @@ from k3.params import count_params, flops_per_token
 
 class RunError(RuntimeError):
     """The run cannot start or continue (bad workdir, corrupt checkpoint, non-finite loss...)."""
-
-
-# Dense bf16 peak FLOP/s per device, for MFU; matched against jax's device_kind.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "TPU v5p": 459e12,
-              "TPU v5 lite": 197e12, "TPU v6 lite": 918e12, "TPU v4": 275e12}
-
-
-def device_peak_flops(override: float = 0.0) -> float | None:
-    """Peak FLOP/s of the local devices (sum), or None when unknown (e.g. CPU)."""
-    if override > 0:
-        return override
-    kind = jax.devices()[0].device_kind
-    for name, peak in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return peak * jax.device_count()
-    return None
 
 
 @dataclasses.dataclass
@@ -140,12 +126,15 @@ def init_model(cfg, sharder: sharding.Sharder | None = None):
 
 
 def _combine_stats(stats_A: Any, balancing: str) -> Any:
-    """Sums micro-batch statistics (loads, histograms); averages exact-QB biases; max of logits."""
+    """Combines micro-batch statistics: sums loads and summable balance statistics (histograms),
+    averages the others (exact-QB biases), takes the max of attention logits."""
+    summable = BALANCERS.get(balancing).summable
+
     def combine(path, x):
         name = path[-1].key if hasattr(path[-1], "key") else None
         if name == "max_logit":
             return jnp.max(x, axis=0)
-        if name == "balance" and balancing == "quantile":
+        if name == "balance" and not summable:
             return jnp.mean(x, axis=0)
         return jnp.sum(x, axis=0)
     return jax.tree_util.tree_map_with_path(combine, stats_A)

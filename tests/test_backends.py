@@ -106,3 +106,26 @@ def test_trace_parser_maps_kernels_to_scopes_through_the_hlo(tmp_path):
     res = parse_trace(str(path), n_steps=2, op_context=ctx)
     assert res["ms"]["optimizer"] == pytest.approx(1.5) and res["ms"]["fp32 matmuls"] == pytest.approx(0.5)
     assert res["total_ms"] == pytest.approx(2.0) and abs(sum(res["share"].values()) - 1) < 1e-9
+
+
+def test_balancer_table_drives_routing_updates_and_validation():
+    """Each balancing rule is one `Balancer` entry: its extra routes, its statistic and its update;
+    the config accepts exactly the table's names and checks top_k + extra routes <= n_experts."""
+    import jax.numpy as jnp
+
+    from k3.balancing import BALANCERS, sign_update
+
+    assert set(BALANCERS.choices()) == {"auto", "none", "sign", "quantile", "quantile_hist"}
+    assert [BALANCERS.get(n).extra_routes for n in ("none", "sign", "quantile", "quantile_hist")] == [0, 0, 1, 1]
+    assert BALANCERS.get("quantile_hist").summable and not BALANCERS.get("quantile").summable
+    bias, load = jnp.array([0.1, -0.2, 0.0]), jnp.array([5.0, 1.0, 3.0])
+    cfg = default_config().model.moe
+    assert jnp.array_equal(BALANCERS.get("none").update(bias, {"load": load}, cfg, 9), bias)
+    assert jnp.array_equal(BALANCERS.get("sign").update(bias, {"load": load}, cfg, 9),
+                           sign_update(bias, load, cfg.sign_rate))
+    c = default_config()
+    c.model.moe.top_k, c.model.moe.n_experts = 4, 4
+    with pytest.raises(ConfigError, match=r"balancing='quantile_hist' ranks top-\(k\+1\)"):
+        validate(c)
+    c.model.moe.balancing = "sign"
+    validate(c)

@@ -1,0 +1,22 @@
+"""Accelerator peak rates: the one table that MFU (`k3.train`, the benchmarks) and the planner
+(`k3.plan`) read."""
+
+from __future__ import annotations
+
+import jax
+
+# Dense bf16 peak FLOP/s per device (datasheets), keyed by a substring of jax's ``device_kind``.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "TPU v5p": 459e12,
+                   "TPU v5 lite": 197e12, "TPU v6 lite": 918e12, "TPU v4": 275e12}
+
+
+def device_peak_flops(override: float = 0.0) -> float | None:
+    """Peak bf16 FLOP/s of all local devices together, or None when the kind is unknown (e.g. a CPU);
+    ``override`` > 0 is returned as is."""
+    if override > 0:
+        return override
+    kind = jax.devices()[0].device_kind
+    for name, peak in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak * jax.device_count()
+    return None
