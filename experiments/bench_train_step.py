@@ -39,7 +39,7 @@ from k3.moe import EXPERT_BACKENDS  # noqa: E402
 from k3.ops.kda import KDA_CORES  # noqa: E402
 from k3.params import count_params, flops_per_token  # noqa: E402
 from k3.hardware import device_peak_flops  # noqa: E402
-from k3.train import make_run  # noqa: E402
+from k3.steps import make_run  # noqa: E402
 
 
 def parse_value(text: str):

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from experiments.bench_train_step import build_config
-from k3.train import make_run
+from k3.steps import make_run
 
 REFERENCE = ("model.kda.impl=chunk", "model.moe.expert_impl=ragged", "model.mla.attention_impl=xla")
 

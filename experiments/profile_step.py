@@ -43,7 +43,7 @@ if __name__ == "__main__" and "--no_command_buffers" in sys.argv:  # must preced
 import jax  # noqa: E402
 
 from experiments.bench_train_step import build_config, synthetic_batch  # noqa: E402
-from k3.train import make_run  # noqa: E402
+from k3.steps import make_run  # noqa: E402
 
 CATEGORIES = ("expert matmuls", "expert dispatch", "attention", "KDA", "AttnRes mixes", "optimizer",
               "fp32 matmuls", "dense matmuls", "copies/transposes", "norms/elementwise")

@@ -236,7 +236,7 @@ def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) ->
 
 def config_hash(run: dict, ladder) -> str:
     """Hash of everything that defines a run's results: model, data, optimizer, seed, schedule."""
-    from k3.train import run_identity
+    from k3.checkpoints import run_identity
 
     ident = {"run": run_identity(run["cfg"]), "steps": run["steps"], "lr": run["lr"],
              "schedule": {k: ladder[k] for k in ("warmup_frac", "decay_frac", "min_lr_ratio", "data_seed")},
@@ -288,8 +288,8 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
 
     from k3.data.pipeline import TrainIterator, ValSource
     from k3.hardware import device_peak_flops
-    from k3.train import (abstract_like, checkpoint_manager, evaluate, make_run,
-                          restore_checkpoint, save_checkpoint, to_host)
+    from k3.checkpoints import abstract_like, checkpoint_manager, restore_checkpoint, save_checkpoint
+    from k3.steps import evaluate, make_run, to_host
 
     cfg = run["cfg"]
     S = run["steps"]
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     from k3.data import DataError
     from k3.data.pipeline import prepare_data
-    from k3.train import RunError
+    from k3.steps import RunError
 
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -398,7 +398,7 @@ def _axes_shards(sharder, names, shape, dim) -> tuple[tuple[str, ...], int]:
 
 def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: float | None = None) -> Layout:
     """Resolves batch/sequence/width sharding as the model code does; raises PlanError when the
-    batch or sequence does not divide (the checks of `k3.train.make_sharder`)."""
+    batch or sequence does not divide (the checks of `k3.steps.make_sharder`)."""
     m = cfg.model
     accum = cfg.optim.grad_accum
     if batch <= 0 or seq <= 0:

@@ -10,7 +10,8 @@ from absl import app, flags, logging
 
 from k3.config import ConfigError
 from k3.data import DataError
-from k3.train import RunError, evaluate, load_for_inference
+from k3.checkpoints import load_for_inference
+from k3.steps import RunError, evaluate
 
 flags.DEFINE_string("workdir", None, "training workdir", required=True)
 flags.DEFINE_integer("batches", 0, "validation batches (0 = the config's train.eval_batches)")

@@ -11,7 +11,8 @@ from absl import flags, logging
 from k3.config import ConfigError
 from k3.data import DataError
 from k3.decode import generate
-from k3.train import RunError, load_for_inference
+from k3.checkpoints import load_for_inference
+from k3.steps import RunError
 from launch import cli
 
 flags.DEFINE_string("workdir", None, "training workdir", required=True)

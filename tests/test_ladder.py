@@ -149,7 +149,7 @@ def test_done_points_skip_and_merge(tmp_path, capsys):
 @pytest.mark.slow
 def test_external_learning_rate_equals_wsd_schedule():
     from k3.optim import learning_rate_schedule
-    from k3.train import make_run
+    from k3.steps import make_run
 
     def cfg(schedule):
         c = default_config()

@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import tiny_model_cfg
 from k3 import sharding
 from k3.config import default_config
-from k3.train import RunError, abstract_like, checkpoint_manager, make_run, restore_checkpoint, save_checkpoint
+from k3.checkpoints import abstract_like, checkpoint_manager, restore_checkpoint, save_checkpoint
+from k3.steps import RunError, make_run
 
 # Module-level state (fixtures, references) is shared: keep this file on one test worker.
 pytestmark = pytest.mark.xdist_group("sharding")
@@ -226,7 +227,7 @@ def test_workdir_of_an_older_schema_is_still_this_run(tmp_path):
     """A run.json written before keys were added (mesh, capacity) is the same run at the defaults."""
     import json
 
-    from k3.train import check_workdir, run_identity, write_run_file
+    from k3.checkpoints import check_workdir, run_identity, write_run_file
 
     cfg = run_cfg("k3", {})
     write_run_file(cfg, tmp_path)

@@ -263,7 +263,9 @@ def test_workdir_under_a_file_is_an_error(tmp_path):
 
 def test_workdir_of_a_failed_start_accepts_a_new_config_and_partial_metrics_lines_are_dropped(tmp_path):
     from k3.config import default_config
-    from k3.train import RunError, _truncate_metrics, check_workdir, write_run_file
+    from k3.checkpoints import check_workdir, write_run_file
+    from k3.steps import RunError
+    from k3.train import _truncate_metrics
 
     old, new = default_config(), default_config()
     new.model.d_model = 64
