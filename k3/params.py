@@ -15,6 +15,8 @@ the n_experts routed experts per MoE layer. FLOPs per token for training (forwar
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 
@@ -30,7 +32,12 @@ ROUTED = ("w_gate", "w_up", "w_down")
 
 
 def abstract_model(model_cfg) -> nnx.Module:
-    """The model with ShapeDtypeStruct leaves, built through ``nnx.eval_shape``."""
+    """The model with ShapeDtypeStruct leaves, built through ``nnx.eval_shape``. Kernel choices do not
+    change parameter shapes, so they are built as 'auto': a config that names a GPU-only kernel can
+    be counted and planned on any machine."""
+    model_cfg = copy.deepcopy(model_cfg)
+    with model_cfg.unlocked() if hasattr(model_cfg, "unlocked") else contextlib.nullcontext():
+        model_cfg.mla.attention_impl = model_cfg.kda.impl = model_cfg.moe.expert_impl = "auto"
     return nnx.eval_shape(lambda: Model(model_cfg, rngs=nnx.Rngs(0)))
 
 

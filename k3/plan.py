@@ -54,8 +54,11 @@ from flax import nnx
 from k3 import optim as k3_optim
 from k3.attn_res import n_bank_slots
 from k3.config import layer_kinds, validate
+from k3.backends import BackendError
 from k3.hardware import PEAK_BF16_FLOPS
+from k3.mla import ATTENTION
 from k3.model import plan_layers
+from k3.ops.kda import KDA_CORES
 from k3.params import ROUTED, abstract_model, count_params, flops_per_token
 from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
 
@@ -71,6 +74,11 @@ class Device:
     inter_node_bw: float  # InfiniBand / DCN, per device
     devices_per_node: int
     note: str = ""
+
+    @property
+    def platform(self) -> str:
+        """The JAX platform the device is ('gpu' or 'tpu'): it decides what 'auto' kernels run."""
+        return "tpu" if "TPU" in self.description else "gpu"
 
 
 # Nominal datasheet numbers. NVLink's quoted figure counts both directions; a collective's bytes sent
@@ -356,6 +364,8 @@ class Layout:
     ``expert_axes``/``P``: the expert-parallel group and its size; ``C``: all-to-all rows per
     destination device (0 without expert parallelism); ``dispatch``: 'padded' (fixed [P, C] buffers
     travel) or 'ragged' (only the routed rows travel; the receive buffer still has P C rows).
+    ``attention``/``kda_core``: the `k3.mla.ATTENTION` / `k3.ops.kda.KDA_CORES` entries the config
+    runs on the planned device's platform ('auto' resolved there).
     """
 
     batch_axes: tuple[str, ...]
@@ -374,6 +384,8 @@ class Layout:
     P: int
     C: int
     dispatch: str = "padded"
+    attention: str = "xla"
+    kda_core: str = "chunk"
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -396,10 +408,17 @@ def _axes_shards(sharder, names, shape, dim) -> tuple[tuple[str, ...], int]:
     return axes, _shards(sharder, axes)
 
 
-def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: float | None = None) -> Layout:
-    """Resolves batch/sequence/width sharding as the model code does; raises PlanError when the
-    batch or sequence does not divide (the checks of `k3.steps.make_sharder`)."""
+def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: float | None = None,
+                platform: str = "gpu") -> Layout:
+    """Resolves batch/sequence/width sharding as the model code does, and the kernels the config runs
+    on ``platform``; raises PlanError when the batch or sequence does not divide (the checks of
+    `k3.steps.make_sharder`) or a kernel cannot run there."""
     m = cfg.model
+    try:
+        attention = ATTENTION.resolve(m.mla.attention_impl, platform)
+        kda_core = KDA_CORES.resolve(m.kda.impl, platform)
+    except BackendError as e:
+        raise PlanError(str(e)) from e
     accum = cfg.optim.grad_accum
     if batch <= 0 or seq <= 0:
         raise PlanError(f"batch and seq must be positive, got batch={batch} seq={seq}")
@@ -435,7 +454,7 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
         shared_div=_axes_shards(sharder, ("mlp",), (max(m.moe.shared_dim, 1),), 0)[1],
         expert_mlp_div=_shards(sharder, f_axes),
         vocab_div=_axes_shards(sharder, ("act_vocab",), (m.vocab_size,), 0)[1],
-        expert_axes=expert_axes, P=P, C=C, dispatch=dispatch)
+        expert_axes=expert_axes, P=P, C=C, dispatch=dispatch, attention=attention, kda_core=kda_core)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,7 +530,7 @@ def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: 
         K = V = k.head_dim
         C = k.chunk_size
         X = N * H * K
-        if k.impl == "pallas":
+        if lay.kda_core == "pallas":
             core = 3 * a + 3 * f + 2 * C * f / K + V * f / C
         else:
             core = KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * C - KDA_LAYER_BYTES
@@ -524,12 +543,19 @@ def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: 
         H = q.n_heads // lay.mla_heads_div
         dqk = q.qk_nope_dim + q.qk_rope_dim
         scores = lay.micro * H * lay.t * lay.seq
-        mla = scores * MLA_SCORE_BYTES
+        # XLA's softmax keeps the scores for the backward; the fused kernels keep only the output and
+        # its log-sum-exp (counted below), and cuDNN takes the documents as a [B, 1, T, S] bool mask.
+        fused = lay.attention != "xla"
+        mla = 0.0 if fused else scores * MLA_SCORE_BYTES
         mla += N * H * ((5 * dqk + q.qk_nope_dim + q.v_head_dim) * a + f + q.v_head_dim * (2 * a + f))
         mla += N * (q.q_lora_rank + q.kv_lora_rank + q.qk_rope_dim) * MLA_LATENT_BYTES
         if lay.cp > 1:
             mla += lay.micro * lay.seq * H * (dqk + q.v_head_dim) * a
-        transient = max(transient, scores * (9 if qk_clip else 8))
+        if not fused:
+            transient = max(transient, scores * (9 if qk_clip else 8))
+        else:  # QK-Clip's separate logit pass materialises fp32 scores and their mask whatever the kernel
+            mask = lay.micro * lay.t * lay.seq if lay.attention == "cudnn" else 0
+            transient = max(transient, scores * 5 * qk_clip + mask)
         out["mla"] = mla
     if ffn == "dense":
         out["ffn"] = N * (m.dense_ffn_dim // lay.mlp_div) * glu + N * D * a
@@ -799,7 +825,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
             batch = batch_devices * accum
             notes.append(f"data.batch_size={cfg.data.batch_size} does not split over the {batch_devices} batch "
                          f"shards: planned with --batch={batch} (one sequence per device per micro-batch)")
-    lay = make_layout(cfg, sh, int(batch), seq, capacity_factor)
+    lay = make_layout(cfg, sh, int(batch), seq, capacity_factor, platform=dev.platform)
     remat = bool(m.remat) if remat is None else bool(remat)
     a = np.dtype(m.dtype).itemsize
     kinds, (_, (_, _, repeats), _) = _layers(m)
@@ -837,13 +863,13 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
                      f"(x {lay.P}); a capacity factor (model.moe.capacity_factor) shrinks the buffers by "
                      "about P / c")
     mla_scores = lay.micro * (m.mla.n_heads // lay.mla_heads_div) * lay.t * lay.seq * MLA_SCORE_BYTES
-    if any(k == "mla" for k, _ in kinds) and mla_scores > 0.05 * dev.memory_bytes:
-        notes.append("MLA attention is jax.nn.dot_product_attention without an implementation, i.e. XLA's "
-                     "softmax path, which keeps the [B, H, T, S] scores for the backward "
+    if lay.attention == "xla" and any(k == "mla" for k, _ in kinds) and mla_scores > 0.05 * dev.memory_bytes:
+        notes.append("MLA attention runs XLA's softmax path (model.mla.attention_impl), which keeps the "
+                     "[B, H, T, S] scores for the backward "
                      f"({MLA_SCORE_BYTES:.0f} B per score): {lay.micro} x {m.mla.n_heads // lay.mla_heads_div} "
                      f"x {lay.t} x {lay.seq} per MLA layer")
-    if m.kda.impl != "pallas" and any(k == "kda" for k, _ in kinds):
-        notes.append(f"KDA runs the jnp chunked core (model.kda.impl={m.kda.impl}), which keeps about "
+    if lay.kda_core != "pallas" and any(k == "kda" for k, _ in kinds):
+        notes.append(f"KDA runs the jnp {lay.kda_core} core (model.kda.impl={m.kda.impl}), which keeps about "
                      f"{KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * m.kda.chunk_size:.0f} B per element of "
                      "N H K for the backward; the Pallas kernel keeps about a third of that")
     if lay.cp > 1 and not any("context" in g for g, _, _ in comm_info):

@@ -148,3 +148,22 @@ def test_cli_bad_mesh_exits_nonzero():
     r = _cli("--config=experiments/configs/k3_tiny.py", "--mesh=fsdp:2,foo:2")
     assert r.returncode != 0
     assert "unknown mesh axis 'foo'" in r.stderr
+
+
+def test_plan_follows_the_kernels_the_platform_runs():
+    """'auto' resolves on the planned device: on an H200 the flash kernel keeps no [B, H, T, S] scores
+    (XLA's softmax keeps 16 B per score), and a GPU-only kernel planned for a TPU is a PlanError."""
+    def kept(impl, device="h200"):
+        c = _cfg()
+        c.model.mla.attention_impl = impl
+        res = P.plan(P.load_model(c), ONE, device, batch=2, seq=256, remat=False)
+        return res["memory"]["activation_terms"]["kept_layers"]
+
+    c = _cfg()
+    n_mla = sum(m == "mla" for m, _ in P.layer_kinds(c.model))
+    scores = n_mla * 2 * c.model.mla.n_heads * 256 * 256
+    assert kept("xla") - kept("auto") == pytest.approx(scores * P.MLA_SCORE_BYTES)
+    assert kept("auto") == kept("flash") == kept("cudnn")
+    assert kept("auto", "tpu-v5p") == kept("xla", "tpu-v5p") > kept("xla")  # and the jnp KDA core there
+    with pytest.raises(P.PlanError, match="attention_impl='cudnn' runs only on gpu"):
+        kept("cudnn", "tpu-v5p")
