@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from k3.backends import BackendError
-from k3.mla import ATTENTION
+from k3.mla.layer import ATTENTION
 from pallas_kernels.flash_attention import flash_attention
 from k3.hardware import device_peak_flops
 

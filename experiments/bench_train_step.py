@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 
 from experiments.configs.ladder import ladder_config  # noqa: E402
 from k3.config import layer_kinds  # noqa: E402
-from k3.mla import ATTENTION  # noqa: E402
-from k3.moe import EXPERT_BACKENDS  # noqa: E402
-from k3.ops.kda import KDA_CORES  # noqa: E402
+from k3.mla.layer import ATTENTION  # noqa: E402
+from k3.moe.layer import EXPERT_BACKENDS  # noqa: E402
+from k3.kda.ops import KDA_CORES  # noqa: E402
 from k3.params import count_params, flops_per_token  # noqa: E402
 from k3.hardware import device_peak_flops  # noqa: E402
 from k3.steps import make_run  # noqa: E402

@@ -66,7 +66,7 @@ def default_config() -> ConfigDict:
     k.gate = "bounded"  # 'bounded': lower_bound*sigmoid(exp(A_log)*z); 'softplus': -exp(A_log)*softplus(z)
     k.gate_lower_bound = -5.0
     k.chunk_size = 16
-    k.impl = "auto"  # k3.ops.kda.KDA_CORES: 'auto' (Pallas on GPU, 'chunk' elsewhere), 'chunk' = 'reference'
+    k.impl = "auto"  # k3.kda.ops.KDA_CORES: 'auto' (Pallas on GPU, 'chunk' elsewhere), 'chunk' = 'reference'
     # (jnp chunked), 'recurrent' (token scan), 'pallas'
 
     e = m.moe = ConfigDict()
@@ -76,7 +76,7 @@ def default_config() -> ConfigDict:
     e.latent_dim = 64  # 0: experts at full width (K2); >0: LatentMoE (K3)
     e.shared_dim = 128  # width of the (single, merged) shared-expert MLP; 0 for none
     e.routed_scaling = 1.0
-    e.balancing = "quantile_hist"  # k3.balancing.BALANCERS: 'quantile_hist', 'quantile', 'sign', 'none'
+    e.balancing = "quantile_hist"  # k3.moe.balancing.BALANCERS: 'quantile_hist', 'quantile', 'sign', 'none'
     e.sign_rate = 1e-3
     e.hist_bins = 1000
     e.capacity_factor = 0.0  # expert-parallel all-to-all: 0 = dropless; c > 0 caps each device at c N k / P routes
@@ -161,11 +161,11 @@ _CHOICES = {
 # Keys whose values name an entry of an implementation table (`k3.backends.Table`): the table is
 # the one list of allowed values. (module, attribute) pairs, imported when a config is validated.
 _TABLES = {
-    "model.kda.impl": ("k3.ops.kda", "KDA_CORES"),
-    "model.moe.expert_impl": ("k3.moe", "EXPERT_BACKENDS"),
-    "model.mla.attention_impl": ("k3.mla", "ATTENTION"),
+    "model.kda.impl": ("k3.kda.ops", "KDA_CORES"),
+    "model.moe.expert_impl": ("k3.moe.layer", "EXPERT_BACKENDS"),
+    "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
-    "model.moe.balancing": ("k3.balancing", "BALANCERS"),
+    "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
 }
 
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from k3.ops.kda import kda_core
+from k3.kda.ops import kda_core
 
 __all__ = [
     "kda_context_parallel",
@@ -97,7 +97,7 @@ def kda_context_parallel(
 
     Call inside a `jax.shard_map` body in which shard i of `axis_name` holds tokens
     [i * T_l, (i + 1) * T_l) of every [B, T, ...] input (other mesh axes may split B or H). The result
-    equals `k3.ops.kda.kda_core` on the unsplit sequence with the same `impl`, including gradients.
+    equals `k3.kda.ops.kda_core` on the unsplit sequence with the same `impl`, including gradients.
 
     Args:
       q, k: [B, T_l, H, K] local queries and keys.
@@ -316,7 +316,7 @@ def kda_core_sharded(
         output_final_state, as for `kda_context_parallel`.
 
     Returns:
-      (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] or None), as `k3.ops.kda.kda_core`.
+      (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] or None), as `k3.kda.ops.kda_core`.
 
     Raises:
       ValueError: when T, B or H does not divide over its mesh axes.

@@ -236,8 +236,8 @@ def replay_kda(before: dict, inputs: dict, n_B: jax.Array) -> dict:
     to identity steps), the conv rings from the kept pre-conv projections: no per-token state is
     ever stored.
     """
-    from k3.kda import conv_ring
-    from k3.ops.kda import kda_core
+    from k3.kda.layer import conv_ring
+    from k3.kda.ops import kda_core
 
     k, v, g, beta = inputs["k"], inputs["v"], inputs["g"], inputs["beta"]
     valid = jnp.arange(k.shape[1])[None, :] < n_B[:, None]

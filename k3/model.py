@@ -17,9 +17,9 @@ from k3 import attn_res
 from k3.backends import Table
 from k3.config import layer_kinds
 from k3.ffn import GLUMLP
-from k3.kda import KDA
-from k3.mla import MLA, qk_clip
-from k3.moe import MoE, new_bias
+from k3.kda.layer import KDA
+from k3.mla.layer import MLA, qk_clip
+from k3.moe.layer import MoE, new_bias
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder, constrain
 

@@ -1,8 +1,8 @@
 """Parameter and FLOP accounting from abstract shapes (nothing is allocated).
 
-    python -m k3.params --config=experiments/configs/k3_full.py
+    python -m launch.params --config=experiments/configs/k3_full.py
 
-prints one JSON object. Conventions (the K3 spec table's): ``active_params`` counts everything a
+prints one JSON object (`report`). Conventions (the K3 spec table's): ``active_params`` counts everything a
 token touches except the input-embedding table: all non-routed weights, the LM head, and top_k of
 the n_experts routed experts per MoE layer. FLOPs per token for training (forward + backward =
 3 x forward, a multiply-add = 2):
@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 
-import jax
 from flax import nnx
 
-from k3 import attn_res
-from k3.config import ConfigError, layer_kinds, validate
+from k3.config import layer_kinds, validate
 from k3.model import Model
-from k3.moe import MoE
+from k3.moe.layer import MoE
 
 ROUTED = ("w_gate", "w_up", "w_down")
 
@@ -117,26 +114,3 @@ def report(cfg, seq_len: int | None = None) -> dict:
     counts = count_params(cfg.model)
     return {"name": cfg.name, **counts, "seq_len": seq_len,
             "flops_per_token": flops_per_token(cfg.model, seq_len, counts)}
-
-
-def main(argv):
-    del argv
-    import sys
-
-    from absl import flags
-
-    try:
-        print(json.dumps(report(flags.FLAGS.config, flags.FLAGS.seq_len or None), indent=2))
-    except ConfigError as e:
-        print(f"error: bad config: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "config file (experiments/configs/*.py)", lock_config=True)
-    flags.DEFINE_integer("seq_len", 0, "context length for the attention FLOP term (0 = data.seq_len)")
-    flags.mark_flags_as_required(["config"])
-    app.run(main)

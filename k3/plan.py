@@ -1,10 +1,11 @@
 """Memory and communication planner: does a config fit a device mesh, and what will a step cost?
 
-    python -m k3.plan --config=experiments/configs/k3_full.py --mesh=fsdp:16,expert:64 --device=h200 \
+    python -m launch.plan --config=experiments/configs/k3_full.py --mesh=fsdp:16,expert:64 --device=h200 \
         [--batch=GLOBAL_SEQUENCES --seq=TOKENS --remat=full|none --mfu=0.4 --headroom=0.1] [--json]
-    python -m k3.plan --config=experiments/configs/k3_full.py --suggest --devices=1024 --device=h200
+    python -m launch.plan --config=experiments/configs/k3_full.py --suggest --devices=1024 --device=h200
 
-``--config.x=...`` overrides work as in `launch.train` (e.g. ``--config.model.moe.capacity_factor=1.25``,
+(the command line is `launch.plan`; this module is its library). ``--config.x=...`` overrides work
+as in `launch.train` (e.g. ``--config.model.moe.capacity_factor=1.25``,
 ``--config.mesh.rule_overrides=...``). Everything is derived from abstract shapes (``nnx.eval_shape``
 of the model, ``jax.eval_shape`` of the optimizer's init), the sharding rules of `k3.sharding`
 resolved on a mesh that need not exist (a `PlanMesh` of axis sizes), and the model code's own layer
@@ -42,9 +43,7 @@ config is dropless, then with context parallelism (the default rules shard dense
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from collections.abc import Mapping
 
 import jax
@@ -56,9 +55,9 @@ from k3.attn_res import n_bank_slots
 from k3.config import layer_kinds, validate
 from k3.backends import BackendError
 from k3.hardware import PEAK_BF16_FLOPS
-from k3.mla import ATTENTION
+from k3.mla.layer import ATTENTION
 from k3.model import plan_layers
-from k3.ops.kda import KDA_CORES
+from k3.kda.ops import KDA_CORES
 from k3.params import ROUTED, abstract_model, count_params, flops_per_token
 from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
 
@@ -364,7 +363,7 @@ class Layout:
     ``expert_axes``/``P``: the expert-parallel group and its size; ``C``: all-to-all rows per
     destination device (0 without expert parallelism); ``dispatch``: 'padded' (fixed [P, C] buffers
     travel) or 'ragged' (only the routed rows travel; the receive buffer still has P C rows).
-    ``attention``/``kda_core``: the `k3.mla.ATTENTION` / `k3.ops.kda.KDA_CORES` entries the config
+    ``attention``/``kda_core``: the `k3.mla.ATTENTION` / `k3.kda.ops.KDA_CORES` entries the config
     runs on the planned device's platform ('auto' resolved there).
     """
 
@@ -1051,7 +1050,7 @@ def format_suggest(res: dict, n_devices: int, device: str, top: int, label: str 
     """A ranked table of the best fitting meshes (or the closest ones when none fits)."""
     dev = DEVICES[device]
     fits = res["fitting"]
-    head = (f"k3.plan --suggest: {n_devices} x {dev.description}{label}: {len(fits)} of {res['candidates']} "
+    head = (f"launch.plan --suggest: {n_devices} x {dev.description}{label}: {len(fits)} of {res['candidates']} "
             f"meshes fit ({res['skipped']} skipped: batch or sequence not divisible)")
     rows = fits[:top] if fits else res["closest"][:top]
     lines = [head, "  " + ("best by estimated throughput (no overlap):" if fits else
@@ -1071,105 +1070,3 @@ def format_suggest(res: dict, n_devices: int, device: str, top: int, label: str 
     else:
         lines.append(f"  verdict: DOES NOT FIT on {n_devices} x {device} under these settings")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
-def _define_flags():
-    from absl import flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "config file (experiments/configs/*.py)", lock_config=True)
-    flags.DEFINE_string("mesh", "", "axis:size list, e.g. data:1,fsdp:64,expert:64 (missing axes = 1, one may be -1)")
-    flags.DEFINE_integer("devices", 0, "device count: fills a -1 mesh axis; required by --suggest")
-    flags.DEFINE_string("device", "h200", f"device kind: {', '.join(DEVICES)}")
-    flags.DEFINE_integer("batch", 0, "global sequences per step (0 = data.batch_size)")
-    flags.DEFINE_integer("seq", 0, "tokens per sequence (0 = data.seq_len)")
-    flags.DEFINE_enum("remat", None, ["full", "none"], "override model.remat")
-    flags.DEFINE_float("mfu", 0.4, "model-FLOP utilisation assumed for the compute time")
-    flags.DEFINE_float("headroom", 0.10, "fraction of device memory left for XLA buffers and fragmentation")
-    flags.DEFINE_bool("suggest", False, "search meshes of --devices devices and print the best that fit")
-    flags.DEFINE_integer("top", 5, "meshes to print with --suggest")
-    flags.DEFINE_float("suggest_capacity_factor", 1.25,
-                       "with --suggest on a dropless config where nothing fits, search again at this "
-                       "model.moe.capacity_factor (0 = never)")
-    flags.DEFINE_string("suggest_contexts", "2,4,8",
-                        "with --suggest, when no mesh with context=1 fits, search again with these context "
-                        "sizes too ('' = never)")
-    flags.DEFINE_bool("json", False, "print JSON instead of the table")
-    flags.mark_flags_as_required(["config"])
-
-
-def _fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def main(argv) -> None:
-    """CLI entry point (see the module docstring)."""
-    from absl import flags
-
-    if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    F = flags.FLAGS
-    if F.device not in DEVICES:
-        _fail(f"unknown device {F.device!r}; known devices: {', '.join(DEVICES)}")
-    if not 0 <= F.headroom < 1 or not 0 < F.mfu <= 1:
-        _fail("--headroom must be in [0, 1) and --mfu in (0, 1]")
-    remat = None if F.remat is None else F.remat == "full"
-    kw = dict(batch=F.batch or None, seq=F.seq or None, remat=remat, mfu=F.mfu, headroom=F.headroom)
-    try:
-        if F.suggest:
-            if F.devices <= 0:
-                _fail("--suggest needs --devices=N")
-            mdl = load_model(F.config)
-            stages = [("", {})]
-            if F.config.model.moe.capacity_factor <= 0 and F.suggest_capacity_factor > 0:
-                stages.append((f", with --config.model.moe.capacity_factor={F.suggest_capacity_factor}",
-                               {"capacity_factor": F.suggest_capacity_factor}))
-            contexts = tuple(int(c) for c in F.suggest_contexts.split(",") if c.strip())
-            if contexts:
-                extra = dict(stages[-1][1], contexts=(1,) + contexts)
-                label = stages[-1][0] + f", context parallel in {{1,{','.join(map(str, contexts))}}}"
-                ro = context_fsdp_overrides(F.config.mesh.rule_overrides)
-                if ro:
-                    extra["rule_overrides"] = ro
-                    label += f" and --config.mesh.rule_overrides={ro}"
-                stages.append((label, extra))
-            texts, results = [], []
-            for label, extra in stages:
-                res = suggest(mdl, F.devices, F.device, **kw, **extra)
-                texts.append(format_suggest(res, F.devices, F.device, F.top, label))
-                results.append({"settings": label.lstrip(", ") or "config", "result": res})
-                if res["fitting"]:
-                    break
-            if F.json:
-                for r in results:
-                    r["result"]["fitting"] = [_strip(p) for p in r["result"]["fitting"][:F.top]]
-                    r["result"]["closest"] = [_strip(p) for p in r["result"]["closest"][:F.top]]
-                print(json.dumps(results, indent=1))
-            else:
-                print("\n\n".join(texts))
-            return
-        if not F.mesh:
-            _fail("pass --mesh=axis:size,... (or --suggest --devices=N)")
-        sizes = parse_mesh(F.mesh, F.devices or None)
-        p = plan(load_model(F.config), sizes, F.device, **kw)
-    except PlanError as e:
-        _fail(str(e))
-    print(json.dumps(_strip(p), indent=1) if F.json else format_plan(p))
-
-
-def _strip(p: dict) -> dict:
-    """A plan without its bulky per-layer breakdown, for JSON."""
-    return {k: v for k, v in p.items() if k != "per_layer"}
-
-
-if __name__ == "__main__":
-    from absl import app
-
-    jax.config.update("jax_platforms", "cpu")  # shapes only: no accelerator is needed or touched
-    _define_flags()
-    app.run(main)

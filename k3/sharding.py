@@ -17,7 +17,7 @@ Mesh axes (the config's ``mesh`` section; sizes, -1 fills the rest):
   fsdp     batch split and parameters/optimizer state sharded (ZeRO-3: gathered at use); the
            context and expert axes shard the dense parameters the same way
   tensor   attention heads, MLP and expert hidden width, vocabulary
-  expert   routed experts (tokens travel to them by all-to-all, `k3.expert_parallel`); the batch is
+  expert   routed experts (tokens travel to them by all-to-all, `k3.moe.expert_parallel`); the batch is
            split over it too, so dense layers see it as data parallelism
   context  the sequence (`k3.context_parallel`: KDA state pairs, MLA gathered keys/values)
 """

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from k3 import optim, sharding
-from k3.balancing import BALANCERS
+from k3.moe.balancing import BALANCERS
 from k3.model import Model, apply_qk_clip, cross_entropy, update_router_biases
 
 

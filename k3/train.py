@@ -26,7 +26,7 @@ from k3.checkpoints import (_check_writable, _guarded_save, _guarded_wait, abstr
 from k3.config import ConfigError, validate
 from k3.data import build_datasets
 from k3.hardware import device_peak_flops
-from k3.moe import EXPERT_BACKENDS
+from k3.moe.layer import EXPERT_BACKENDS
 from k3.params import count_params, flops_per_token
 from k3.steps import RunError, evaluate, make_run, to_host
 

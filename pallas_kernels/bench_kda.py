@@ -6,7 +6,7 @@
 Implementations (all on IDENTICAL inputs, made once per shape from a fixed seed):
   pallas     `pallas_kernels.kda.chunk_kda` (interpret mode on CPU, compiled elsewhere)
   pallas_bf16  the same with matmul_dtype='bfloat16' (bf16 operands and intermediates)
-  reference  `k3.ops.kda.chunk_kda_reference` (plain jnp, fp32 HIGHEST-precision matmuls)
+  reference  `k3.kda.ops.chunk_kda_reference` (plain jnp, fp32 HIGHEST-precision matmuls)
   fla        `fla.ops.kda.chunk_kda` (PyTorch + Triton) with use_qk_l2norm_in_kernel=True,
              safe_gate=True, lower_bound=-5; CUDA only, torch/fla are imported only when asked for.
 
@@ -62,7 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.ops.kda import chunk_kda_reference, l2_normalize  # noqa: E402
+from k3.kda.ops import chunk_kda_reference, l2_normalize  # noqa: E402
 
 DEFAULT_SHAPES = "8x4096x16x128,2x16384x32x128,1x65536x32x128,1x8192x96x128"
 DEFAULT_IMPLS = "pallas,pallas_bf16,reference,fla"

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.ops.kda import l2_normalize  # noqa: E402
+from k3.kda.ops import l2_normalize  # noqa: E402
 from pallas_kernels import kda as P  # noqa: E402
 from pallas_kernels.bench_kda import wall_times_ms  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Chunked Kimi Delta Attention in Pallas: forward and backward kernels for a lower-bounded gate.
 
-Math (per row b, head h; fla's conventions, see `k3.ops.kda`): within a chunk of C tokens with
+Math (per row b, head h; fla's conventions, see `k3.kda.ops`): within a chunk of C tokens with
 Gamma = cumsum(g) (chunk-local, fp32) and tokens i, j of the same document,
 
     Aqk[i, j] = scale * sum_d q_id k_jd exp(Gamma_id - Gamma_jd)    (j <= i)
@@ -17,7 +17,7 @@ one dense matmul: diagonal tiles around their middle token, off-diagonal tiles (
 block c < r) around Gamma at the last token of block c, where both factors are <= 1 for any gate.
 There is no element-wise pairwise-decay path. The kernel accepts -10 <= lower_bound < 0 (40 -> 80
 nats, still finite in fp32) and clamps g into [lower_bound, 0]; an unbounded (softplus) gate must use
-the reference path (`k3.ops.kda.kda_core` does this).
+the reference path (`k3.kda.ops.kda_core` does this).
 
 Kernels (each one `pallas_call`; grids over chunks are parallel, grids over value blocks walk the
 chunks in a `fori_loop` with the fp32 state in registers):
@@ -722,13 +722,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               matmul_dtype=None):
     """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
 
-    Same layout, conventions and return value as `k3.ops.kda.chunk_kda_reference`.
+    Same layout, conventions and return value as `k3.kda.ops.chunk_kda_reference`.
 
     Args:
       q, k: [B, T, H, K] queries and keys (used as given; the layer L2-normalises them).
       v: [B, T, H, V] values.
       g: [B, T, H, K] per-channel log decay. Values are clamped into [lower_bound, 0] (the kernel's
-        contract: a bounded gate such as `k3.ops.kda.kda_gate_bounded`); with `check_gate=True` a
+        contract: a bounded gate such as `k3.kda.ops.kda_gate_bounded`); with `check_gate=True` a
         value below lower_bound raises instead (at run time, through a host callback).
       beta: [B, T, H] delta-rule learning rate.
       scale: query scale; defaults to K ** -0.5.

@@ -1,4 +1,4 @@
-"""Input contract of the KDA cores, shared by the jnp reference (`k3.ops.kda`) and the Pallas kernel."""
+"""Input contract of the KDA cores, shared by the jnp reference (`k3.kda.ops`) and the Pallas kernel."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from conftest import tiny_model_cfg
 from experiments.profile_step import categorize, hlo_op_context, parse_trace
 from k3.backends import BackendError, Table
 from k3.config import ConfigError, default_config, validate
-from k3.kda import KDA
-from k3.mla import ATTENTION, MLA
-from k3.moe import EXPERT_BACKENDS
-from k3.ops.kda import KDA_CORES
+from k3.kda.layer import KDA
+from k3.mla.layer import ATTENTION, MLA
+from k3.moe.layer import EXPERT_BACKENDS
+from k3.kda.ops import KDA_CORES
 
 
 def test_table_resolves_auto_per_platform_and_names_the_setting():
@@ -113,7 +113,7 @@ def test_balancer_table_drives_routing_updates_and_validation():
     the config accepts exactly the table's names and checks top_k + extra routes <= n_experts."""
     import jax.numpy as jnp
 
-    from k3.balancing import BALANCERS, sign_update
+    from k3.moe.balancing import BALANCERS, sign_update
 
     assert set(BALANCERS.choices()) == {"auto", "none", "sign", "quantile", "quantile_hist"}
     assert [BALANCERS.get(n).extra_routes for n in ("none", "sign", "quantile", "quantile_hist")] == [0, 0, 1, 1]

@@ -1,4 +1,4 @@
-"""Tests for k3.balancing: routing, sign update and Quantile Balancing (exact and histogram).
+"""Tests for k3.moe.balancing: routing, sign update and Quantile Balancing (exact and histogram).
 
 Notation: r_ij = alpha_i - s_ij are the margins; the *candidate rule* is "expert j takes token i
 iff s_ij + b_j > alpha_i" with the thresholds alpha of the routing that produced the statistics.
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3 import balancing as bal
+from k3.moe import balancing as bal
 
 N_BINS = 1000
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from k3.context_parallel import kda_core_sharded, mla_attention_sharded
-from k3.mla import attention
-from k3.ops.kda import kda_core, l2_normalize
+from k3.mla.layer import attention
+from k3.kda.ops import kda_core, l2_normalize
 
 B, T, H, K, V = 2, 40, 2, 8, 6  # V != K so that a transposed state cannot pass
 CHUNK = 16  # T / P = 20, 10, 5 tokens per shard: never a multiple of the chunk

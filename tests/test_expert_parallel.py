@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from k3 import sharding
-from k3.balancing import expert_load
-from k3.expert_parallel import ragged_all_to_all_emulated, routed_experts_sharded
-from k3.moe import dense_experts
+from k3.moe.balancing import expert_load
+from k3.moe.expert_parallel import ragged_all_to_all_emulated, routed_experts_sharded
+from k3.moe.layer import dense_experts
 
 B, T, W, F, E, K = 8, 6, 8, 12, 8, 2
 
@@ -133,7 +133,7 @@ def test_ragged_all_to_all_matches_its_emulation_on_accelerators():
     np.testing.assert_allclose(outs["ragged"][0], outs["ragged_emulated"][0], rtol=1e-5, atol=1e-5)
     assert int(outs["ragged"][1]) == int(outs["ragged_emulated"][1])
     if n == 1:  # one device: nothing is exchanged, so compare the exchange itself at P = 1
-        from k3.expert_parallel import _ragged_exchange
+        from k3.moe.expert_parallel import _ragged_exchange
 
         P = jax.sharding.PartitionSpec
         mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))

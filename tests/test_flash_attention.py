@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3.mla import ATTENTION
+from k3.mla.layer import ATTENTION
 from pallas_kernels.common import default_interpret
 from pallas_kernels.flash_attention import document_bounds, flash_attention
 

@@ -97,8 +97,8 @@ def test_no_module_level_import_cycles():
 def test_the_checker_sees_a_wrong_way_import(tmp_path):
     """The parser finds eager, lazy and importlib imports (so the tests above can fail)."""
     f = tmp_path / "m.py"
-    f.write_text("import os\nfrom k3.mla import ATTENTION\n\ndef f():\n    from launch import cli\n"
+    f.write_text("import os\nfrom k3.mla.layer import ATTENTION\n\ndef f():\n    from launch import cli\n"
                  "    import importlib\n    return importlib.import_module('experiments.fit')\n")
     found = dict(_imports(f, {"launch.cli"}))
-    assert found["k3.mla"] is True and found["launch.cli"] is False
+    assert found["k3.mla.layer"] is True and found["launch.cli"] is False
     assert _importlib_targets(f) == ["experiments.fit"]

@@ -1,4 +1,4 @@
-"""Tests for k3.ops.kda: chunked vs token recurrence vs a numpy reference, packed documents, gates."""
+"""Tests for k3.kda.ops: chunked vs token recurrence vs a numpy reference, packed documents, gates."""
 
 import functools
 import sys
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3.ops import kda
+from k3.kda import ops as kda
 
 H, K, V = 2, 8, 6
 LOWER_BOUND = -5.0

@@ -9,8 +9,8 @@ from flax import nnx
 from conftest import tiny_model_cfg
 from k3 import attn_res
 from k3.ffn import glu_activation
-from k3.kda import KDA, causal_conv
-from k3.mla import MLA, apply_rope, segment_positions
+from k3.kda.layer import KDA, causal_conv
+from k3.mla.layer import MLA, apply_rope, segment_positions
 
 
 def _rand(key, shape, scale=1.0):

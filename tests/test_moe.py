@@ -8,7 +8,7 @@ from flax import nnx
 
 from conftest import forward, tiny_model_cfg
 from k3.model import Model, update_router_biases
-from k3.moe import EXPERT_BACKENDS, MoE, capacity_experts, capacity_slots, dense_experts, expert_capacity, \
+from k3.moe.layer import EXPERT_BACKENDS, MoE, capacity_experts, capacity_slots, dense_experts, expert_capacity, \
     gather_rows, ragged_experts
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from conftest import tiny_model_cfg
 from k3.model import Model, cross_entropy
-from k3.ops import kda
+from k3.kda import ops as kda
 from pallas_kernels.kda import chunk_kda
 
 LB = -5.0
@@ -218,7 +218,7 @@ def test_kda_layer_with_pallas_on_a_mesh_equals_one_device(mesh):
     import math
 
     from k3 import sharding
-    from k3.kda import KDA
+    from k3.kda.layer import KDA
 
     cfg = tiny_model_cfg(**{"kda.impl": "pallas"})
     x = jax.random.normal(jax.random.key(0), (4, 40, 32))

@@ -49,10 +49,10 @@ def test_ladder_styles_match_routed_compute():
 
 
 def test_params_cli_prints_json():
-    out = subprocess.run([sys.executable, "-m", "k3.params", "--config=experiments/configs/k3_tiny.py"],
+    out = subprocess.run([sys.executable, "-m", "launch.params", "--config=experiments/configs/k3_tiny.py"],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     data = json.loads(out.stdout)
     assert {"total_params", "active_params", "flops_per_token"} <= set(data)
-    bad = subprocess.run([sys.executable, "-m", "k3.params", "--config=experiments/configs/k3_tiny.py",
+    bad = subprocess.run([sys.executable, "-m", "launch.params", "--config=experiments/configs/k3_tiny.py",
                           "--config.model.bogus=1"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "bogus" in bad.stderr

@@ -126,7 +126,7 @@ def test_parse_mesh_errors():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "k3.plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 

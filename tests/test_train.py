@@ -305,6 +305,6 @@ def test_sample_rejects_bad_flags_before_loading(tmp_path, flag):
 
 
 def test_params_cli_reports_a_bad_config_in_one_line():
-    out = launch("k3.params", "--config=experiments/configs/k3_tiny.py", "--config.optim.b2=1.5", timeout=120)
+    out = launch("launch.params", "--config=experiments/configs/k3_tiny.py", "--config.optim.b2=1.5", timeout=120)
     expected = "error: bad config: config key optim.b2 must be in [0, 1), got 1.5"
     assert out.returncode == 2 and out.stderr.strip() == expected

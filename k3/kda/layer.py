@@ -6,7 +6,7 @@ g    = lower_bound * sigmoid(exp(A_log[h]) * z)    (K3)   or   -exp(A_log[h]) * 
 beta = sigmoid(W_b x)                                                  per head
 o    = W_o (sigmoid(W_g x) * RMSNorm_head(KDA(q, k, v, g, beta)))
 
-The delta-rule core goes through the single dispatch point `k3.ops.kda.kda_core`, so the Pallas
+The delta-rule core goes through the single dispatch point `k3.kda.ops.kda_core`, so the Pallas
 kernel is selected by ``model.kda.impl``. Gate, beta and state math run in fp32.
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.nn import cast, normal, ones, param, rms_norm, zeros
-from k3.ops.kda import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
+from k3.kda.ops import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
 from k3.sharding import Sharder, spec_axes
 
 

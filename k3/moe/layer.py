@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3 import balancing
+from k3.moe import balancing
 from k3.backends import Table
-from k3.expert_parallel import routed_experts_sharded
+from k3.moe.expert_parallel import routed_experts_sharded
 from k3.ffn import GLUMLP, glu_activation
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder
@@ -241,7 +241,7 @@ class MoE(nnx.Module):
 
     def stats(self, idx_Nk, scores_NE, alpha_N) -> dict:
         """Statistics for the bias update: 'load' [E] always; 'balance' when the rule has one
-        (`k3.balancing.Balancer`): the QB histogram [E, bins] int32 ('quantile_hist', summable over
+        (`k3.moe.balancing.Balancer`): the QB histogram [E, bins] int32 ('quantile_hist', summable over
         micro-batches and devices) or the exact QB bias [E] ('quantile')."""
         out = {"load": balancing.expert_load(idx_Nk, self.n_experts)}
         if self.balancer.balance is not None:

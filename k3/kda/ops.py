@@ -74,18 +74,8 @@ def _initial_state(initial_state, B, H, K, V, dtype):
 # ----------------------------------------------------------------------------------------------------
 
 
-def recurrent_kda(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    segment_ids=None,
-    cu_seqlens=None,
-):
+def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, segment_ids=None,
+                  cu_seqlens=None):
     """KDA as a `lax.scan` over tokens: the simple reference (and the natural decode path).
 
     Args:
@@ -243,19 +233,8 @@ def _decayed_scores(x_list, k_XCK, Gamma_XCK, tile):
     return [s_XTSTS.reshape(-1, Cp, Cp)[:, :C, :C].reshape(*batch, C, C) for s_XTSTS in scores_XTSTS]
 
 
-def chunk_kda_reference(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    segment_ids=None,
-    cu_seqlens=None,
-    chunk_size=64,
-):
+def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        segment_ids=None, cu_seqlens=None, chunk_size=64):
     """KDA in the chunked WY/UT form (fla's algorithm) in plain jnp.
 
     Within a chunk of C tokens, Gamma = cumsum(g) and, for tokens i, j of the same document,
@@ -275,16 +254,7 @@ def chunk_kda_reference(
     Aqk, L and (I + L)^-1 are built from sub-tiles of `_SUBTILE` = 8 tokens (`_decayed_scores`,
     `_solve_unit_lower`), so the pairwise decay tensor is [..., C / 8, 8, 8, K], not [..., C, C, K].
 
-    Args:
-      q, k: [B, T, H, K] queries and keys.
-      v: [B, T, H, V] values.
-      g: [B, T, H, K] per-channel log decay (<= 0).
-      beta: [B, T, H] delta-rule learning rate.
-      scale: query scale; defaults to K ** -0.5.
-      initial_state: optional [B, H, K, V] state before the first token (first document of each row).
-      output_final_state: whether to return the state after the last token.
-      segment_ids: optional [B, T] ints; a change of id starts a new document with a zero state.
-      cu_seqlens: optional [N + 1] document boundaries (requires B == 1); alternative to segment_ids.
+    Args: those of `recurrent_kda` (same shapes and meaning), and
       chunk_size: C, tokens per chunk. T need not be a multiple of it.
 
     Returns:

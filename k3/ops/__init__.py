@@ -1,1 +1,0 @@
-"""Core numerical ops (attention kernels, gates) in plain JAX."""
