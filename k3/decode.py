@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from k3 import attn_res
+from k3.model import replace_slot, per_layer, walk_layers
 from k3.nn import cast
 
 
@@ -36,14 +37,10 @@ def _layer_cache(layer, batch: int, max_len: int, dtype) -> dict:
 
 def init_cache(model, batch: int, max_len: int, dtype=None) -> dict:
     """An empty cache for ``batch`` rows of up to ``max_len`` tokens (MLA latents in ``dtype``,
-    default the model's compute dtype; KDA state always fp32)."""
+    default the model's compute dtype; KDA state always fp32), laid out like the layers
+    (`k3.model.per_layer`)."""
     dtype = jnp.dtype(dtype or model.dtype)
-    layers = {"head": [_layer_cache(layer, batch, max_len, dtype) for layer in model.head_layers],
-              "tail": [_layer_cache(layer, batch, max_len, dtype) for layer in model.tail_layers], "body": []}
-    if model.body is not None:
-        for layer in model.body.layers:
-            one = _layer_cache(layer, batch, max_len, dtype)
-            layers["body"].append(jax.tree.map(lambda x: jnp.broadcast_to(x, (model.body_repeats,) + x.shape), one))
+    layers = per_layer(model, lambda layer: _layer_cache(layer, batch, max_len, dtype))
     return {"layers": layers, "length": jnp.zeros((batch,), jnp.int32)}
 
 
@@ -68,45 +65,23 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
     start = cache["length"]
     emb = jnp.take(model.embed[...], tokens_BT, axis=0).astype(model.dtype)
     stream = attn_res.init_stream(emb, model.residual, model.n_slots)
-    layers = cache["layers"]
 
-    def update(c, upd, r=None):
+    def write(c, upd, r):
         """The layer cache ``c`` after its layer's update (``r``: the repeat, for stacked caches)."""
         if "c_kv" in c:  # MLA: scatter only the new rows, in place
             return {k: write_rows(c[k], upd[k], start, r) for k in c}
-        if r is None:
-            return upd
-        return jax.tree.map(lambda C, u: jax.lax.dynamic_update_index_in_dim(C, u.astype(C.dtype), r, 0), c, upd)
+        return replace_slot(c, upd, r)
 
-    new = {"head": [], "body": [], "tail": []}
-    for i, layer, c in zip(model.head_idx, model.head_layers, layers["head"]):
-        stream, upd = layer.extend(stream, c, i, start, n_valid, keep_inputs)
-        new["head"].append(update(c, upd))
-    if model.body is not None:
-        graphdef, state = nnx.split(model.body)
-        period = model.body_period
+    def step(layer, idx, stream, c):
+        stream, upd = layer.extend(stream, c, idx, start, n_valid, keep_inputs)
+        return stream, {k: v for k, v in upd.items() if k != "inputs"}, upd.get("inputs")
 
-        def group_step(carry, state_r):
-            # The stacked caches ride in the carry and are updated in place; a scan's xs -> ys would
-            # copy every layer's whole cache each step.
-            stream, r, caches = carry
-            group = nnx.merge(graphdef, state_r)
-            caches, kept = list(caches), []
-            for j, layer in enumerate(group.layers):
-                c = jax.tree.map(lambda C: jax.lax.dynamic_index_in_dim(C, r, 0, keepdims=False), caches[j])
-                stream, upd = layer.extend(stream, c, model.body_start + r * period + j, start, n_valid,
-                                           keep_inputs)
-                kept.append(upd.pop("inputs") if "inputs" in upd else None)
-                caches[j] = update(caches[j], upd, r)
-            return (stream, r + 1, caches), kept
-
-        # Inputs kept by an earlier ``keep_inputs`` call are not part of the state.
-        body = [{k: v for k, v in c.items() if k != "inputs"} for c in layers["body"]]
-        (stream, _, body), kept = jax.lax.scan(group_step, (stream, jnp.asarray(0, jnp.int32), body), state)
-        new["body"] = [c if k is None else {**c, "inputs": k} for c, k in zip(body, kept)]
-    for i, layer, c in zip(model.tail_idx, model.tail_layers, layers["tail"]):
-        stream, upd = layer.extend(stream, c, i, start, n_valid, keep_inputs)
-        new["tail"].append(update(c, upd))
+    # Inputs kept by an earlier ``keep_inputs`` call are not part of the state.
+    caches = jax.tree.map(lambda c: {k: v for k, v in c.items() if k != "inputs"}, cache["layers"],
+                          is_leaf=lambda x: isinstance(x, dict) and ("c_kv" in x or "state" in x))
+    stream, new, kept = walk_layers(model, stream, step, caches, write)
+    new = jax.tree.map(lambda c, k: c if k is None else {**c, "inputs": k}, new, kept,
+                       is_leaf=lambda x: x is None or (isinstance(x, dict) and ("c_kv" in x or "state" in x)))
     h = model.final_norm(attn_res.read(stream, model.out_mix))
     logits = jnp.einsum("btd,dv->btv", h, cast(model.lm_head, model.dtype)).astype(jnp.float32)
     return logits, {"layers": new, "length": start + n_valid}

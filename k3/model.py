@@ -118,19 +118,13 @@ AttnResMix = attn_res.AttnResMix
 
 
 class LayerGroup(nnx.Module):
-    """One period of consecutive layers (e.g. KDA, KDA, KDA, MLA), the unit that is scanned."""
+    """One period of consecutive layers (e.g. KDA, KDA, KDA, MLA), the unit that is scanned
+    (`walk_layers` runs its ``layers``)."""
 
     def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs, track_max_logit: bool = False,
                  sharder: Sharder | None = None):
         self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs, track_max_logit=track_max_logit,
                                              sharder=sharder) for m, f in kinds])
-
-    def __call__(self, stream: dict, first_idx, segment_ids_BT):
-        stats = []
-        for i, layer in enumerate(self.layers):
-            stream, st = layer(stream, first_idx + i, segment_ids_BT)
-            stats.append(st)
-        return stream, stats
 
 
 def plan_layers(m) -> tuple[list[int], tuple[int, int, int], list[int]]:
@@ -190,19 +184,6 @@ class Model(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
-    def _unrolled(self, layer: DecoderLayer, stream: dict, idx: int, segment_ids_BT):
-        """One layer outside the scanned body; with ``remat`` rematerialised on its own, as each
-        scanned group is (K3's dense first layer and extra last MLA layer would otherwise keep
-        every activation for the backward pass)."""
-        if not self.remat:
-            return layer(stream, idx, segment_ids_BT)
-        graphdef, state = nnx.split(layer)
-
-        def run(state, stream, segment_ids_BT):
-            return nnx.merge(graphdef, state)(stream, idx, segment_ids_BT)
-
-        return jax.checkpoint(run, policy=self.remat_policy)(state, stream, segment_ids_BT)
-
     def hidden(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Final-normed hidden states [B, T, D] for int tokens [B, T], and the routing statistics.
 
@@ -212,28 +193,14 @@ class Model(nnx.Module):
         emb = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
         emb = constrain(emb, _ACT_BTD, self.sharder)
         stream = attn_res.init_stream(emb, self.residual, self.n_slots)
-        stats = {"head": [], "body": [], "tail": []}
-        for i, layer in zip(self.head_idx, self.head_layers):
-            stream, st = self._unrolled(layer, stream, i, segment_ids_BT)
-            stats["head"].append(st)
-        if self.body is not None:
-            # Plain lax.scan over the stacked state: merging inside the step keeps every NNX
-            # object at the step's trace level, so this runs under jit, grad and remat alike.
-            graphdef, state = nnx.split(self.body)
-            period = self.body_period
 
-            def group_step(carry, state_r):
-                stream, first = carry
-                stream, stats = nnx.merge(graphdef, state_r)(stream, first, segment_ids_BT)
-                return (stream, first + period), stats
+        def step(layer, idx, stream, _):
+            stream, stats = layer(stream, idx, segment_ids_BT)
+            return stream, None, stats
 
-            if self.remat:
-                group_step = jax.checkpoint(group_step, policy=self.remat_policy)
-            (stream, _), stats["body"] = jax.lax.scan(
-                group_step, (stream, jnp.asarray(self.body_start, jnp.int32)), state)
-        for i, layer in zip(self.tail_idx, self.tail_layers):
-            stream, st = self._unrolled(layer, stream, i, segment_ids_BT)
-            stats["tail"].append(st)
+        # Unrolled layers are rematerialised one by one, as each scanned group is (K3's dense first
+        # layer and extra last MLA layer would otherwise keep every activation for the backward pass).
+        stream, _, stats = walk_layers(self, stream, step, remat=self.remat, policy=self.remat_policy)
         h = attn_res.read(stream, self.out_mix)
         return self.final_norm(h), stats
 
@@ -247,6 +214,89 @@ class Model(nnx.Module):
         logits = jnp.einsum("btd,dv->btv", h, cast(self.lm_head, self.dtype))
         logits = constrain(logits, ("batch", "seq", "act_vocab"), self.sharder)
         return logits, {"expert_load": expert_loads(stats), "layer_stats": stats}
+
+
+def replace_slot(old, new, r):
+    """A layer's slot after its step: ``new``, or for a stacked body slot, ``new`` at repeat ``r``."""
+    if r is None:
+        return new
+    return jax.tree.map(lambda C, u: jax.lax.dynamic_update_index_in_dim(C, u.astype(C.dtype), r, 0), old, new)
+
+
+def walk_layers(model: Model, carry, step, slots: dict | None = None, write=replace_slot, remat: bool = False,
+                policy=None):
+    """Runs ``step`` over every layer in order: the unrolled head, the scanned body (one ``lax.scan``
+    over the repeats of a period), the unrolled tail. The one owner of the layer layout: the forward
+    pass, decoding and the per-layer state built on them all go through it.
+
+    step(layer, idx, carry, slot) -> (carry, new_slot, out): ``idx`` is the layer's index (traced in the
+    body), ``slot`` its entry of ``slots`` (None without slots), e.g. a decode cache.
+    slots, and the returned slots and outs: {'head': [per layer], 'body': [per position of the period,
+    stacked over the repeats], 'tail': [per layer]} (see `per_layer`).
+    write(old_slot, new_slot, r): the slot kept after the step; ``r`` is the repeat for a body slot
+    (None for head and tail layers). The body's slots ride in the scan's carry and are written in
+    place: a scan's xs -> ys would copy every stacked slot each step.
+    remat: each unrolled layer and each body group is a ``jax.checkpoint`` with ``policy``.
+
+    Returns (carry, slots or None, outs).
+    """
+    new = {"head": [], "body": [], "tail": []}
+    outs = {"head": [], "body": [], "tail": []}
+
+    def unrolled(part, idxs, layers, carry):
+        for n, (i, layer) in enumerate(zip(idxs, layers)):
+            slot = None if slots is None else slots[part][n]
+            if remat:
+                graphdef, state = nnx.split(layer)
+
+                def run(state, carry, slot, i=i, graphdef=graphdef):
+                    return step(nnx.merge(graphdef, state), i, carry, slot)
+
+                carry, slot_new, out = jax.checkpoint(run, policy=policy)(state, carry, slot)
+            else:
+                carry, slot_new, out = step(layer, i, carry, slot)
+            new[part].append(None if slots is None else write(slot, slot_new, None))
+            outs[part].append(out)
+        return carry
+
+    carry = unrolled("head", model.head_idx, model.head_layers, carry)
+    if model.body is not None:
+        # Plain lax.scan over the stacked state: merging inside the step keeps every NNX object at
+        # the step's trace level, so this runs under jit, grad and remat alike.
+        graphdef, state = nnx.split(model.body)
+        start, period = model.body_start, model.body_period
+
+        def group_step(c, state_r):
+            carry, r, body = c
+            body = None if body is None else list(body)
+            group_outs = []
+            for j, layer in enumerate(nnx.merge(graphdef, state_r).layers):
+                slot = None if body is None else jax.tree.map(
+                    lambda x: jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False), body[j])
+                carry, slot_new, out = step(layer, start + r * period + j, carry, slot)
+                if body is not None:
+                    body[j] = write(body[j], slot_new, r)
+                group_outs.append(out)
+            return (carry, r + 1, body), group_outs
+
+        if remat:
+            group_step = jax.checkpoint(group_step, policy=policy)
+        body = None if slots is None else list(slots["body"])
+        (carry, _, body), outs["body"] = jax.lax.scan(group_step, (carry, jnp.asarray(0, jnp.int32), body), state)
+        new["body"] = body
+    carry = unrolled("tail", model.tail_idx, model.tail_layers, carry)
+    return carry, (None if slots is None else new), outs
+
+
+def per_layer(model: Model, fn) -> dict:
+    """``fn(layer)`` for every layer in `walk_layers`' layout; a body position's value is broadcast
+    over the repeats (``fn`` sees the stacked layer, so it must not depend on its weights' values)."""
+    def stacked(layer):
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (model.body_repeats,) + x.shape), fn(layer))
+
+    return {"head": [fn(layer) for layer in model.head_layers],
+            "body": [stacked(layer) for layer in model.body.layers] if model.body is not None else [],
+            "tail": [fn(layer) for layer in model.tail_layers]}
 
 
 def expert_loads(stats: dict) -> jax.Array:
