@@ -116,7 +116,9 @@ def default_config() -> ConfigDict:
     h.rule_overrides = ""  # 'logical=axis+axis,...' on top of k3.sharding.DEFAULT_RULES
 
     d = c.data = ConfigDict()
-    d.source = "stdlib"  # 'stdlib' (embedded default corpus), 'text_dir', 'jsonl', 'tokens'
+    # 'stdlib' (embedded default corpus), 'site_packages' (larger embedded corpus: installed
+    # distributions' source and docs, for single-epoch scaling runs), 'text_dir', 'jsonl', 'tokens'
+    d.source = "stdlib"
     d.path = ""
     d.text_field = "text"
     d.tokens_dtype = "uint16"
@@ -152,7 +154,7 @@ _CHOICES = {
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd", "external"),
     "optim.mu_dtype": ("float32", "bfloat16"),
-    "data.source": ("stdlib", "text_dir", "jsonl", "tokens"),
+    "data.source": ("stdlib", "site_packages", "text_dir", "jsonl", "tokens"),
     "data.tokenizer": ("bpe", "byte"),
     "data.tokens_dtype": ("uint16", "uint32"),
 }

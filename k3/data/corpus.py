@@ -1,10 +1,11 @@
-"""Document sources: the embedded standard-library corpus, user text/JSONL files, pre-tokenised files.
+"""Document sources: the embedded standard-library and site-packages corpora, user text/JSONL files,
+pre-tokenised files.
 
 A *text corpus* (:class:`TextCorpus`) is an ordered list of documents, each with a stable name (a
 relative path, or ``relpath:line`` for JSONL), assigned to the train or validation split by a stable
 hash of that name. Texts are read lazily, so listing a corpus only costs a directory walk and one
 read of each file ('text_dir' files to skip those that are not UTF-8 text, JSONL files to count
-their lines).
+their lines, 'site_packages' files to apply its drop rules and content deduplication).
 
 A *token corpus* (:class:`TokenCorpus`) is a set of memory-mapped 1-D integer arrays (``.bin`` or
 ``.npy`` files) cut into documents: each file is a document, further cut after every EOS id when the
@@ -30,6 +31,8 @@ import numpy as np
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text", ".py")
 JSONL_SUFFIXES = (".jsonl",)
 TOKEN_SUFFIXES = (".bin", ".npy")
+
+TEXT_SOURCES = ("stdlib", "site_packages", "text_dir", "jsonl")
 
 # Directories of the standard library that are not "library text": test suites (their data files
 # are deliberately malformed), installed third-party packages, build leftovers and compiled modules.
@@ -134,13 +137,212 @@ def list_stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
     return [f for f in files if (root / f).stat().st_size > 0]
 
 
+# ---------------------------------------------------------------------------------------------------
+# Site-packages: the source and docs of every installed distribution.
+
+SITE_PACKAGES_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
+SITE_MAX_FILE_BYTES = 1 << 20
+SITE_MAX_LINE_CHARS = 1000
+SITE_MAX_CONTROL_FRACTION = 0.01
+# Drop rules in the order they are tried; a dropped file is counted under the first rule it meets.
+SITE_DROP_RULES = ("shadowed", "metadata", "legal", "unreadable", "empty", "too_large", "binary", "long_line",
+                   "duplicate")
+_SITE_METADATA_DIR_SUFFIXES = (".dist-info", ".egg-info")
+_SITE_LEGAL_PREFIXES = ("license", "licence", "copying", "notice", "authors")
+# Bytes below 0x20 and DEL, except tab, newline, carriage return and form feed (used as a page break
+# in Python sources): a text file has almost none of them.
+_CONTROL_BYTES = bytes([*range(0x09), 0x0B, *range(0x0E, 0x20), 0x7F])
+
+
+class SearchPath(tuple):
+    """Several directories read as one corpus root, in the manner of ``sys.path``.
+
+    A tuple of resolved :class:`~pathlib.Path` that also answers the three things a corpus asks of
+    its root: ``sp / rel`` is ``rel`` under the first directory that has it, ``is_file()`` is False,
+    and ``str(sp)`` joins the directories with ``os.pathsep``.
+    """
+
+    def __new__(cls, dirs):
+        return super().__new__(cls, (Path(d) for d in dirs))
+
+    def __truediv__(self, rel) -> Path:
+        for d in self[:-1]:
+            p = d / rel
+            if p.exists():
+                return p
+        # The last directory without a check: a file that has since vanished still raises an error
+        # that names a real directory.
+        return self[-1] / rel
+
+    def is_file(self) -> bool:
+        """Always False: a search path is a set of directories."""
+        return False
+
+    def __str__(self) -> str:
+        return os.pathsep.join(map(str, self))
+
+
+def site_packages_roots() -> list[Path]:
+    """The running Python's site-packages directories that exist, resolved, deduplicated and sorted.
+
+    The union of ``site.getsitepackages()`` and ``sysconfig``'s ``purelib`` and ``platlib`` paths
+    (user site-packages are not included: they depend on the account, not on the environment).
+    """
+    import site
+
+    candidates = list(site.getsitepackages())
+    paths = sysconfig.get_paths()
+    candidates += [paths["purelib"], paths["platlib"]]
+    return sorted({Path(c).resolve() for c in candidates if Path(c).is_dir()})
+
+
+def _site_candidates(roots: list[Path]) -> list[tuple[str, int]]:
+    """(relative POSIX path, root index) of every non-hidden file with a site-packages suffix,
+    sorted by path then root."""
+    others = set(roots)
+    out = []
+    for ri, root in enumerate(roots):
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath)
+            # A root nested in another is walked once, as itself, so its files keep short names.
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"
+                           and (here / d) not in others]
+            rel_dir = here.relative_to(root)
+            for name in filenames:
+                if not name.startswith(".") and name.endswith(SITE_PACKAGES_SUFFIXES):
+                    out.append(((rel_dir / name).as_posix(), ri))
+    return sorted(out)
+
+
+def _file_size(path: Path) -> int | None:
+    """The size of ``path`` in bytes (links followed), or None when it cannot be read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _site_drop_rule(path: Path, rel: str, seen_hashes: set[bytes]) -> tuple[str | None, int]:
+    """The first drop rule (:data:`SITE_DROP_RULES`) that ``path`` meets, or None to keep it, and its
+    size in bytes. A kept file's content hash is added to ``seen_hashes``."""
+    *dirs, name = rel.split("/")
+    size = _file_size(path)
+    if any(d.endswith(_SITE_METADATA_DIR_SUFFIXES) for d in dirs):
+        return "metadata", size or 0
+    if name.lower().startswith(_SITE_LEGAL_PREFIXES):
+        return "legal", size or 0
+    if size is None:
+        return "unreadable", 0
+    if size == 0:
+        return "empty", 0
+    if size > SITE_MAX_FILE_BYTES:
+        return "too_large", size
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "unreadable", size
+    text = _decode_text(data)
+    n_control = len(data) - len(data.translate(None, _CONTROL_BYTES))
+    if text is None or n_control > SITE_MAX_CONTROL_FRACTION * len(data):
+        return "binary", size
+    if max(map(len, text.split("\n"))) > SITE_MAX_LINE_CHARS:
+        return "long_line", size
+    digest = hashlib.sha256(data).digest()
+    if digest in seen_hashes:
+        return "duplicate", size
+    seen_hashes.add(digest)
+    return None, size
+
+
+def scan_site_packages(roots=None) -> tuple[SearchPath, list[str], dict]:
+    """Lists the site-packages corpus and counts what its drop rules removed.
+
+    Every file under the roots whose name ends in :data:`SITE_PACKAGES_SUFFIXES` is *seen* (hidden
+    files and directories and ``__pycache__`` are not walked). Files are visited in sorted relative
+    path order (then root order), and the first rule that matches drops a file:
+
+    - ``shadowed``: a later root holds the same relative path again (only the first copy is read,
+      as ``import`` would);
+    - ``metadata``: it lies in a ``*.dist-info`` or ``*.egg-info`` directory;
+    - ``legal``: its name starts with LICENSE, LICENCE, COPYING, NOTICE or AUTHORS (any case);
+    - ``unreadable``: it cannot be read (a broken link, no permission);
+    - ``empty``: it has no bytes;
+    - ``too_large``: it has more than :data:`SITE_MAX_FILE_BYTES` (1 MiB) bytes;
+    - ``binary``: it has a NUL byte, is not valid UTF-8 (as `_is_text`), or more than 1% of its
+      bytes are control characters other than tab, newline, carriage return and form feed;
+    - ``long_line``: a line has more than :data:`SITE_MAX_LINE_CHARS` (1,000) characters
+      (generated or minified);
+    - ``duplicate``: its bytes have the same SHA-256 as a file kept earlier, so of identical files
+      the one first in sorted order is kept.
+
+    Args:
+      roots: directories to scan (str or path-like), or None for :func:`site_packages_roots`. They
+        are resolved, deduplicated and sorted, so the result does not depend on their order.
+    Returns:
+      ``(root, files, stats)``: a :class:`SearchPath` of the roots; the kept relative POSIX paths,
+      sorted; and a JSON-ready dict with ``roots`` (list of str), ``files_seen``, ``files_kept``,
+      ``bytes_seen``, ``bytes_kept``, ``duplicates`` (int), and ``dropped`` / ``dropped_bytes``
+      (rule -> int, every rule of :data:`SITE_DROP_RULES` present).
+    Raises:
+      DataError: a given root is not a directory, or there is no root at all.
+    """
+    if roots is None:
+        dirs = site_packages_roots()
+        if not dirs:
+            raise DataError("no site-packages directory found for this Python (site.getsitepackages(), "
+                            "sysconfig purelib/platlib)")
+    else:
+        roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+        if not roots:
+            raise DataError("data.source='site_packages' was given an empty list of directories")
+        for r in roots:
+            if not Path(r).expanduser().is_dir():
+                raise DataError(f"site-packages directory {str(r)!r} does not exist or is not a directory "
+                                "(data.source='site_packages')")
+        dirs = sorted({Path(r).expanduser().resolve() for r in roots})
+    dropped = dict.fromkeys(SITE_DROP_RULES, 0)
+    dropped_bytes = dict.fromkeys(SITE_DROP_RULES, 0)
+    kept, seen_hashes, bytes_seen, bytes_kept, previous = [], set(), 0, 0, None
+    candidates = _site_candidates(dirs)
+    for rel, ri in candidates:
+        if rel == previous:
+            rule, size = "shadowed", _file_size(dirs[ri] / rel) or 0
+        else:
+            rule, size = _site_drop_rule(dirs[ri] / rel, rel, seen_hashes)
+        previous = rel
+        bytes_seen += size
+        if rule is None:
+            kept.append(rel)
+            bytes_kept += size
+        else:
+            dropped[rule] += 1
+            dropped_bytes[rule] += size
+    stats = {
+        "roots": [str(d) for d in dirs], "files_seen": len(candidates), "files_kept": len(kept),
+        "bytes_seen": bytes_seen, "bytes_kept": bytes_kept, "duplicates": dropped["duplicate"],
+        "dropped": dropped, "dropped_bytes": dropped_bytes,
+    }
+    return SearchPath(dirs), kept, stats
+
+
+def list_site_packages_files(roots=None) -> tuple[SearchPath, list[str]]:
+    """The site-packages corpus: ``(root, files)`` of :func:`scan_site_packages`, without the stats.
+
+    Reads every candidate file once (drop rules, content hashes); the list depends on what is
+    installed, so it differs between machines, but a file keeps its name, and so its split, on all.
+    """
+    root, files, _ = scan_site_packages(roots)
+    return root, files
+
+
 @dataclasses.dataclass
 class TextCorpus:
     """An ordered list of text documents with a stable train/validation assignment.
 
     Attributes:
-      source: 'stdlib', 'text_dir' or 'jsonl'.
-      root: the directory (or single file) the relative paths in ``files`` refer to.
+      source: one of :data:`TEXT_SOURCES`.
+      root: the directory (or single file, or :class:`SearchPath` of directories) the relative paths
+        in ``files`` refer to.
       files: sorted relative POSIX paths of the source files.
       doc_file: int32 [D], index into ``files`` of each document.
       doc_line: int64 [D], 1-based line number of each JSONL document (0 for whole-file documents).
@@ -149,7 +351,7 @@ class TextCorpus:
     """
 
     source: str
-    root: Path
+    root: Path | SearchPath
     files: list[str]
     doc_file: np.ndarray
     doc_line: np.ndarray
@@ -245,13 +447,17 @@ def _parse_jsonl_line(line: bytes, path: Path, lineno: int, field: str) -> str:
     return text
 
 
-def list_text_files(source: str, path: str = "") -> tuple[Path, list[str]]:
-    """The resolved root and sorted relative POSIX paths of a text source's files (no reading).
+def list_text_files(source: str, path: str = "") -> tuple[Path | SearchPath, list[str]]:
+    """The resolved root and sorted relative POSIX paths of a text source's files.
+
+    Only 'site_packages' reads the files (its drop rules); the other sources only walk directories.
 
     Args:
-      source: 'stdlib' (``path`` ignored), 'text_dir' or 'jsonl'; see :func:`load_text_corpus`.
+      source: one of :data:`TEXT_SOURCES`; see :func:`load_text_corpus`. 'stdlib' ignores ``path``;
+        'site_packages' reads it as an ``os.pathsep``-separated list of directories to scan instead
+        of the running Python's site-packages ('' for those).
     Raises:
-      DataError: missing path, empty single file, or a directory without matching files.
+      DataError: unknown source, missing path, empty single file, or no matching files.
     """
     if source == "stdlib":
         root = stdlib_root()
@@ -259,8 +465,16 @@ def list_text_files(source: str, path: str = "") -> tuple[Path, list[str]]:
         if not files:
             raise DataError(f"no Python source files found in the standard library at {root}")
         return root, files
+    if source == "site_packages":
+        dirs = [p for p in str(path).split(os.pathsep) if p] if str(path) else None
+        root, files = list_site_packages_files(dirs)
+        if not files:
+            raise DataError(f"no text files left in the site-packages directories {str(root)!r} after the "
+                            "drop rules (k3.data.corpus.scan_site_packages)")
+        return root, files
     if source not in ("text_dir", "jsonl"):
-        raise DataError(f"not a text source: data.source={source!r}")
+        raise DataError(f"not a text source: data.source={source!r}; text sources are "
+                        f"{', '.join(map(repr, TEXT_SOURCES))} ('tokens' is read by load_token_corpus)")
     root = _require_path(path, source)
     suffixes = TEXT_SUFFIXES if source == "text_dir" else JSONL_SUFFIXES
     if root.is_file():
@@ -285,25 +499,31 @@ def files_fingerprint(root: Path, files: list[str]) -> str:
 def _is_text(path: Path) -> bool:
     """Whether a file reads as text: valid UTF-8 with no NUL byte (binary files decode to U+FFFD
     noise that the byte tokenizer would otherwise train on)."""
-    data = path.read_bytes()
+    return _decode_text(path.read_bytes()) is not None
+
+
+def _decode_text(data: bytes) -> str | None:
+    """``data`` decoded as UTF-8, or None when it has a NUL byte or is not valid UTF-8."""
     if b"\0" in data:
-        return False
+        return None
     try:
-        data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
-        return False
-    return True
+        return None
 
 
 def load_text_corpus(source: str, path: str = "", *, text_field: str = "text", val_fraction: float = 0.02,
-                     max_docs: int = 0, listing: tuple[Path, list[str]] | None = None) -> TextCorpus:
+                     max_docs: int = 0, listing: tuple[Path | SearchPath, list[str]] | None = None) -> TextCorpus:
     """Lists the documents of a text source and assigns each to train or validation.
 
     Args:
-      source: 'stdlib' (``path`` ignored; the running Python's standard library), 'text_dir' (a
-        directory searched recursively for ``TEXT_SUFFIXES`` files, or a single text file; each file
-        is one document) or 'jsonl' (a ``.jsonl`` file or a directory of them; each non-blank line is
-        a JSON object and one document, its text under ``text_field``).
+      source: 'stdlib' (``path`` ignored; the running Python's standard library), 'site_packages'
+        (the source and docs of every installed distribution after the drop rules of
+        :func:`scan_site_packages`; ``path`` optionally lists the directories, ``os.pathsep``-
+        separated; each file is one document), 'text_dir' (a directory searched recursively for
+        ``TEXT_SUFFIXES`` files, or a single text file; each file is one document) or 'jsonl' (a
+        ``.jsonl`` file or a directory of them; each non-blank line is a JSON object and one
+        document, its text under ``text_field``).
       val_fraction: expected fraction of documents held out (by a SHA-1 hash of the name).
       max_docs: when > 0, only the first ``max_docs`` documents (in sorted order) are used, before
         splitting.

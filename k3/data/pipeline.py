@@ -3,9 +3,10 @@
 Entry point: :func:`build_datasets` ``(cfg, workdir) -> (train_iter, val_source, tokenizer)``.
 
 Preparation (once per workdir, then cached):
-  text sources ('stdlib', 'text_dir', 'jsonl'): every document is tokenised, followed by EOS, and the
-  train and validation streams are written to ``<workdir>/data_cache/{train,val}.npy`` (uint16, or
-  uint32 for vocabularies over 65536) with per-document lengths in ``{train,val}_doc_len.npy``.
+  text sources ('stdlib', 'site_packages', 'text_dir', 'jsonl'): every document is tokenised,
+  followed by EOS, and the train and validation streams are written to
+  ``<workdir>/data_cache/{train,val}.npy`` (uint16, or uint32 for vocabularies over 65536) with
+  per-document lengths in ``{train,val}_doc_len.npy``.
   'tokens': the user's files stay where they are (memory-mapped); only the document index is cached
   (``tokens_index.npz``). ``meta.json`` records a fingerprint of the source files (path, size,
   mtime), the split settings and the tokenizer; any change rebuilds the cache.
@@ -604,7 +605,7 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
         "cache loaded" if hit else "cache built", meta["seconds"],
     )
     if train.num_docs == 0:
-        raise DataError(f"data source {d.source!r} ({d.path or 'stdlib'}) has no training documents")
+        raise DataError(f"data source {d.source!r} ({d.path or d.source}) has no training documents")
     return PreparedData(train, val, tok, meta)
 
 

@@ -1,0 +1,235 @@
+"""Tests of the 'site_packages' corpus: drop rules, content deduplication, determinism, split, errors.
+
+All but the slow test scan synthetic site-packages trees built under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from experiments.corpus_stats import corpus_stats
+from k3.config import ConfigError, default_config, validate
+from k3.data import DataError, prepare_data
+from k3.data.corpus import (
+    SITE_DROP_RULES,
+    SITE_MAX_FILE_BYTES,
+    SITE_MAX_LINE_CHARS,
+    SearchPath,
+    list_site_packages_files,
+    list_text_files,
+    load_text_corpus,
+    scan_site_packages,
+    site_packages_roots,
+)
+
+# Kept by every rule: short lines, printable UTF-8, small, unique content.
+KEPT = {
+    "pkg/__init__.py": "from pkg.core import run\n",
+    "pkg/core.py": "def run():\n    return 'ok'\n" * 20,
+    "pkg/core.pyi": "def run() -> str: ...\n",
+    "pkg/README.md": "# pkg\n\nA package. Ünïcode is fine.\n",
+    "pkg/docs/guide.rst": "Guide\n=====\n\nUse it.\n\f\nPage two.\n",
+    "pkg/tests/data/notes.txt": "test data that reads as text is kept\n",
+    "other/mod.py": "x = 1\n" + "y" * SITE_MAX_LINE_CHARS + "\n",  # a line at the limit
+    "other/licensing_helper.py": "# a module whose name only contains 'licens'\n",
+}
+
+# relative path -> (content, the rule that drops it)
+DROPPED = {
+    "pkg-1.0.dist-info/RECORD.txt": ("pkg/__init__.py,sha256=x,10\n", "metadata"),
+    "pkg-1.0.dist-info/licenses/NOTES.md": ("metadata, not code\n", "metadata"),
+    "old.egg-info/SOURCES.txt": ("pkg/core.py\n", "metadata"),
+    "pkg/LICENSE.txt": ("MIT License\n", "legal"),
+    "pkg/licence.md": ("Licence text\n", "legal"),
+    "pkg/COPYING.rst": ("GPL\n", "legal"),
+    "pkg/Notice.txt": ("Notice text\n", "legal"),
+    "pkg/authors.md": ("A. Author\n", "legal"),
+    "pkg/empty.py": ("", "empty"),
+    "pkg/minified.py": ("x = '" + "a" * SITE_MAX_LINE_CHARS + "'\n", "long_line"),
+    "pkg/nul.txt": (b"text\x00with a NUL byte\n", "binary"),
+    "pkg/latin1.txt": (b"caf\xe9 is not UTF-8\n", "binary"),
+    "pkg/control.txt": (b"\x1b" * 2 + b"a" * 98, "binary"),  # 2% control bytes
+    "pkg/huge.txt": (("z" * 99 + "\n") * (SITE_MAX_FILE_BYTES // 100 + 1), "too_large"),
+    "pkg/zz_copy.py": ("def run():\n    return 'ok'\n" * 20, "duplicate"),  # same bytes as pkg/core.py
+}
+
+# Never seen: wrong suffix, hidden, compiled.
+UNSEEN = {
+    "pkg/core.cpython-311.so": b"\x7fELF\x00",
+    "pkg/data.json": b"{}",
+    "pkg/.hidden.py": b"x = 1\n",
+    ".cache/mod.py": b"x = 1\n",
+    "pkg/__pycache__/core.py": b"x = 1\n",
+}
+
+
+def _write(root, files, order=None):
+    for rel in order or files:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        data = files[rel]
+        if isinstance(data, tuple):
+            data = data[0]
+        p.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
+
+
+def make_site(root, order=None):
+    """A fake site-packages tree under ``root`` with every file of KEPT, DROPPED and UNSEEN."""
+    files = {**KEPT, **DROPPED, **UNSEEN}
+    _write(root, files, order)
+    return root
+
+
+@pytest.fixture
+def site(tmp_path):
+    return make_site(tmp_path / "site-packages")
+
+
+def test_keeps_text_and_drops_by_rule(site):
+    root, files, stats = scan_site_packages([site])
+    assert isinstance(root, SearchPath) and list(root) == [site.resolve()]
+    assert files == sorted(KEPT)
+    expected = dict.fromkeys(SITE_DROP_RULES, 0)
+    for _, rule in DROPPED.values():
+        expected[rule] += 1
+    assert stats["dropped"] == expected
+    assert stats["files_seen"] == len(KEPT) + len(DROPPED)
+    assert stats["files_kept"] == len(files)
+    assert stats["duplicates"] == 1
+    kept_bytes = sum(len(t.encode("utf-8")) for t in KEPT.values())
+    assert stats["bytes_kept"] == kept_bytes
+    assert stats["bytes_seen"] == kept_bytes + sum(stats["dropped_bytes"].values())
+    assert stats["dropped_bytes"]["too_large"] == len(DROPPED["pkg/huge.txt"][0])
+    json.dumps(stats)  # JSON-ready
+
+
+def test_size_limit_is_inclusive(tmp_path):
+    body = ("z" * 99 + "\n") * (SITE_MAX_FILE_BYTES // 100)
+    body += "z" * (SITE_MAX_FILE_BYTES - len(body))
+    _write(tmp_path, {"at_limit.txt": body, "over.txt": body + "z"})
+    _, files, stats = scan_site_packages(tmp_path)
+    assert files == ["at_limit.txt"] and stats["dropped"]["too_large"] == 1
+
+
+def test_control_bytes_up_to_one_percent_are_kept(tmp_path):
+    _write(tmp_path, {"ansi.txt": b"\x1b" + b"a" * 99, "tabs.py": b"\tx = 1\r\n\f\n"})
+    assert list_site_packages_files(tmp_path)[1] == ["ansi.txt", "tabs.py"]
+
+
+def test_duplicates_keep_the_sorted_first_path(tmp_path):
+    same = "def f():\n    return 42\n"
+    files = {"b/mod.py": same, "a/z.py": same, "a/y.txt": same, "c.py": "other\n"}
+    _write(tmp_path, files, order=["b/mod.py", "a/z.py", "c.py", "a/y.txt"])
+    _, files, stats = scan_site_packages(tmp_path)
+    assert files == ["a/y.txt", "c.py"]
+    assert stats["duplicates"] == stats["dropped"]["duplicate"] == 2
+
+
+def test_listing_is_deterministic_and_independent_of_creation_order(tmp_path):
+    a = make_site(tmp_path / "a")
+    order = sorted({**KEPT, **DROPPED, **UNSEEN}, reverse=True)
+    b = make_site(tmp_path / "b", order=order)
+    first = scan_site_packages(a)
+    assert scan_site_packages(a)[1:] == first[1:]
+    assert scan_site_packages(b)[1] == first[1]
+    assert {k: v for k, v in scan_site_packages(b)[2].items() if k != "roots"} == \
+        {k: v for k, v in first[2].items() if k != "roots"}
+
+
+def test_several_roots_sorted_deduplicated_and_shadowed(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _write(one, {"pkg/mod.py": "from one\n", "only_one.py": "1\n"})
+    _write(two, {"pkg/mod.py": "from two\n", "only_two.py": "2\n", "z_dup.py": "1\n"})
+    root, files, stats = scan_site_packages([two, one, str(one)])
+    assert list(root) == [one.resolve(), two.resolve()]
+    assert root == scan_site_packages([one, two])[0]
+    assert files == ["only_one.py", "only_two.py", "pkg/mod.py"]
+    assert stats["dropped"]["shadowed"] == 1 and stats["dropped"]["duplicate"] == 1
+    # Reading resolves a name against the roots in order, as the listing chose it.
+    c = load_text_corpus("site_packages", listing=(root, files), val_fraction=0.0)
+    assert list(c.iter_texts()) == ["1\n", "2\n", "from one\n"]
+    assert str(root) == os.pathsep.join([str(one.resolve()), str(two.resolve())])
+    # The same directories through data.path.
+    assert list_text_files("site_packages", str(root)) == (root, files)
+
+
+def test_split_is_stable_disjoint_and_machine_independent(site, tmp_path):
+    c = load_text_corpus("site_packages", str(site), val_fraction=0.3)
+    train, val = c.doc_names("train"), c.doc_names("val")
+    assert train and val and not set(train) & set(val)
+    assert sorted(train + val) == sorted(KEPT)
+    again = load_text_corpus("site_packages", str(site), val_fraction=0.3)
+    np.testing.assert_array_equal(again.is_val, c.is_val)
+    # Names are relative to the site-packages directory, so the split is the same wherever it is.
+    moved = tmp_path / "elsewhere" / "lib" / "site-packages"
+    shutil.copytree(site, moved)
+    assert load_text_corpus("site_packages", str(moved), val_fraction=0.3).doc_names("val") == val
+
+
+def test_errors_name_the_problem(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataError, match="nope.*does not exist"):
+        scan_site_packages([missing])
+    with pytest.raises(DataError, match="nope"):
+        load_text_corpus("site_packages", str(missing))
+    with pytest.raises(DataError, match="empty list"):
+        scan_site_packages([])
+    _write(tmp_path / "bare", {"LICENSE.txt": "MIT\n", "empty.py": ""})
+    with pytest.raises(DataError, match="no text files left"):
+        list_text_files("site_packages", str(tmp_path / "bare"))
+    with pytest.raises(DataError, match="not a text source.*'site_packages'"):
+        list_text_files("site-packages")
+    with pytest.raises(DataError, match="not a text source"):
+        load_text_corpus("bogus")
+
+
+def test_config_accepts_site_packages_and_keeps_stdlib_default():
+    cfg = default_config()
+    assert cfg.data.source == "stdlib"
+    cfg.data.source = "site_packages"
+    validate(cfg)
+    cfg.data.source = "sitepackages"
+    with pytest.raises(ConfigError, match="data.source"):
+        validate(cfg)
+
+
+def test_prepare_data_builds_and_reuses_the_cache(site, tmp_path):
+    cfg = default_config()
+    cfg.model.vocab_size = 260
+    d = cfg.data
+    d.source, d.path, d.tokenizer, d.val_fraction, d.seq_len, d.batch_size = \
+        "site_packages", str(site), "byte", 0.3, 16, 2
+    wd = tmp_path / "wd"
+    first = prepare_data(cfg, wd)
+    assert not first.meta["cache_hit"]
+    assert first.meta["fingerprint"]["root"] == str(site.resolve())
+    n_bytes = sum(len(t.encode("utf-8")) for t in KEPT.values())
+    assert first.train.num_tokens + first.val.num_tokens == n_bytes + len(KEPT)  # bytes + one EOS each
+    assert prepare_data(cfg, wd).meta["cache_hit"]
+
+
+def test_corpus_stats_cli_numbers(site):
+    out = corpus_stats("site_packages", str(site), val_fraction=0.3)
+    assert out["files_kept"] == len(KEPT) == out["train_files"] + out["val_files"]
+    assert out["bytes_kept"] == out["train_bytes"] + out["val_bytes"]
+    assert out["val_files"] == len(load_text_corpus("site_packages", str(site), val_fraction=0.3).doc_names("val"))
+    assert out["dropped"]["legal"] == 5
+
+
+def test_site_packages_roots_of_this_python():
+    roots = site_packages_roots()
+    assert roots == sorted(set(roots)) and all(r.is_dir() and r.is_absolute() for r in roots)
+    assert any((r / "numpy" / "__init__.py").exists() for r in roots)
+
+
+@pytest.mark.slow
+def test_real_site_packages_scan():
+    _, files, stats = scan_site_packages()
+    assert files == sorted(files) and len(files) == stats["files_kept"] > 100
+    assert "numpy/__init__.py" in files
+    assert not any(".dist-info/" in f for f in files)
