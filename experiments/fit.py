@@ -291,6 +291,52 @@ def shared_exponent_pvalue(sse_shared: float, sse_separate: float, n_points: int
     return float(fdtrc(df1, df2, F))
 
 
+@dataclass
+class LROptimumFit:
+    """Per-arm learning-rate rule fitted from sweeps: lr*(C) = coef * C ** exp.
+
+    ``sizes``: per swept compute C, the (C, lr*) of the parabola in log lr through that size's
+    losses, and whether the optimum is bracketed (inside the swept rates) or extrapolated.
+    """
+
+    coef: float
+    exp: float
+    sizes: list = field(default_factory=list)
+
+    def __call__(self, C) -> np.ndarray:
+        return self.coef * np.asarray(C, np.float64) ** self.exp
+
+
+def lr_optimum(lr, loss) -> tuple[float, bool]:
+    """The rate minimising a parabola fitted (least squares) to loss against log(lr), and whether
+    it lies inside the swept rates. Needs >= 3 distinct rates; a parabola opening downwards (no
+    minimum) returns the best swept rate, marked not bracketed."""
+    x, y = np.log(np.asarray(lr, np.float64)), np.asarray(loss, np.float64)
+    if len(np.unique(x)) < 3:
+        raise ValueError(f"a learning-rate optimum needs >= 3 distinct rates, got {len(np.unique(x))}")
+    a, b, _ = np.polyfit(x, y, 2)
+    if a <= 0:
+        return float(np.exp(x[np.argmin(y)])), False
+    x_opt = -b / (2 * a)
+    return float(np.exp(x_opt)), bool(x.min() <= x_opt <= x.max())
+
+
+def fit_lr_rule(sweeps: Mapping[float, tuple]) -> LROptimumFit:
+    """Fits lr*(C) = coef * C ** exp (least squares in log-log) to the optimum of each size's sweep.
+
+    sweeps: compute C -> (rates, losses) of that size's runs. Needs >= 2 sizes."""
+    if len(sweeps) < 2:
+        raise ValueError(f"a learning-rate rule needs sweeps at >= 2 sizes, got {len(sweeps)}")
+    sizes = []
+    for C, (lr, loss) in sorted(sweeps.items()):
+        opt, bracketed = lr_optimum(lr, loss)
+        sizes.append({"C": float(C), "lr_opt": opt, "bracketed": bracketed})
+    logC = np.log([r["C"] for r in sizes])
+    log_lr = np.log([r["lr_opt"] for r in sizes])
+    exp, log_coef = np.polyfit(logC, log_lr, 1)
+    return LROptimumFit(float(np.exp(log_coef)), float(exp), sizes)
+
+
 def multiplier(baseline_fit: PowerLawFit, new_fit: PowerLawFit, C) -> np.ndarray:
     """Compute multiplier ``M(C) = C_b / C`` of ``new_fit`` over ``baseline_fit``; same shape as ``C``.
 
@@ -682,6 +728,30 @@ def arm_points(records: Sequence[dict], convention: str) -> dict[str, ArmPoints]
     return arms
 
 
+def lr_rules(records: Sequence[dict], convention: str = "6N") -> dict:
+    """Per arm, the learning-rate rule fitted from its sweeps (`fit_lr_rule`), or why there is none.
+
+    A size's sweep is its seed-0 final points at >= 3 distinct rates; its compute is that of the run
+    at the ladder's rule (every rate trains the same tokens). Arms with sweeps at < 2 sizes are
+    reported as skipped."""
+    key = CONVENTIONS[convention]
+    out = {}
+    for arm in sorted({str(r["arm"]) for r in records if "arm" in r}):
+        finals = [r for r in records if r.get("arm") == arm and is_seed0(r) and r.get("is_final")
+                  and has_finite_loss(r) and r.get("lr") is not None]
+        sweeps = {}
+        for size in sorted({size_label(r) for r in finals}):
+            rs = [r for r in finals if size_label(r) == size]
+            if len({float(r["lr"]) for r in rs}) >= 3:
+                sweeps[float(rs[0][key])] = ([float(r["lr"]) for r in rs], [float(r["val_loss"]) for r in rs])
+        if len(sweeps) < 2:
+            out[arm] = {"skipped": f"sweeps of >= 3 rates at {len(sweeps)} size(s); a rule needs 2"}
+            continue
+        fit = fit_lr_rule(sweeps)
+        out[arm] = {"coef": fit.coef, "exp": fit.exp, "sizes": fit.sizes}
+    return out
+
+
 def check_arms(arms: Mapping[str, ArmPoints], baseline: str) -> None:
     """Raise `FitError` if the baseline arm is absent or any arm has fewer than 2 sizes."""
     if baseline not in arms:
@@ -799,7 +869,7 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
             fits[name] = entry
         comparisons = {name: _compare(arms[baseline], a, baseline, sigma_info["value"], n_boot, n_boot_E, seed)
                        for name, a in arms.items() if name != baseline}
-        report["conventions"][conv] = {"fits": fits, "comparisons": comparisons}
+        report["conventions"][conv] = {"fits": fits, "comparisons": comparisons, "lr_rules": lr_rules(records, conv)}
     return report
 
 
@@ -866,6 +936,18 @@ def format_report(report: dict) -> str:
                 lo = body_f["loso"]
                 lines += ["", f"Leave one size out, M at C_max = {lo['C']:.3e}: {_g(lo['min'])} .. {_g(lo['max'])} ("
                           + ", ".join(f"-{k}: {_g(v)}" for k, v in lo["by_size"].items()) + ")", ""]
+        rules = body.get("lr_rules", {})
+        if any("skipped" not in r for r in rules.values()):
+            lines += ["Learning-rate optimum per arm, lr*(C) = coef C^exp (from each size's sweep):", "",
+                      "| arm | coef | exp | optima (C: lr*, bracketed) |", "|---|---|---|---|"]
+            for arm, r in rules.items():
+                if "skipped" in r:
+                    lines.append(f"| {arm} | | | skipped: {r['skipped']} |")
+                    continue
+                opts = "; ".join(f"{o['C']:.2e}: {o['lr_opt']:.3g}{'' if o['bracketed'] else ' (outside)'}"
+                                 for o in r["sizes"])
+                lines.append(f"| {arm} | {_g(r['coef'])} | {_g(r['exp'])} | {opts} |")
+            lines.append("")
         lines.append("")
     return "\n".join(lines)
 

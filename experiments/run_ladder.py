@@ -76,6 +76,9 @@ def default_ladder() -> ConfigDict:
     c.lr_sweep = "0.5,2.0"
     c.sweep_sizes = 2
     c.data_seed = 0  # one data order for every run (seeds change the initialisation only)
+    # Passes over the training split the largest run may make: 1 = no run repeats its data. The
+    # runner refuses a ladder past it before training anything.
+    c.max_epochs = 1.0
     c.eval_batches = 0  # held-out batches per evaluation; 0 = the whole validation split
     c.ckpt_every = 0.1  # checkpoint every this fraction of a run's steps
     c.overrides = ""  # 'key=value,...' applied to every run's config, e.g. 'model.dtype=bfloat16'
@@ -459,6 +462,22 @@ def _csv(text):
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
+def check_epochs(runs: list[dict], train_tokens: int, max_epochs: float) -> None:
+    """Raises LadderError when the largest run would read the training split (``train_tokens``
+    tokens) more than ``max_epochs`` times. Branches end inside their run's tokens, so a run's
+    ``tokens`` bound what it reads."""
+    if not runs:
+        return
+    big = max(runs, key=lambda r: r["tokens"])
+    epochs = big["tokens"] / max(train_tokens, 1)
+    if epochs > max_epochs:
+        raise LadderError(
+            f"run {big['run_id']} would read {big['tokens']:,} tokens, {epochs:.2f} passes over the training "
+            f"split of {train_tokens:,} tokens, more than the ladder's max_epochs={max_epochs:g}: use fewer "
+            "tokens_per_param or smaller sizes, a larger corpus (data.source='site_packages'), or set "
+            "max_epochs knowingly")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder", required=True, help="ladder file (get_config() from default_ladder())")
@@ -512,6 +531,11 @@ def main(argv=None) -> int:
     try:
         data = prepare_data(todo[0]["cfg"], out / "data")
     except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        check_epochs(runs, data.train.num_tokens, ladder.max_epochs)
+    except LadderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if data.tokenizer.vocab_size > ladder.data.vocab_size:

@@ -392,3 +392,57 @@ def test_fit_cli_chinchilla_refit(capsys):
     assert "Besiroglu" in out and "fitted 240" in out
     assert F.main(["--chinchilla", DATA + ".missing"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_per_arm_lr_rule_recovers_a_planted_optimum():
+    """Sweeps at x0.5, x1, x2, x4 of a rule around a planted lr*(C) = 0.9 C^-0.11 (loss quadratic in
+    log lr, plus small noise) give back the optimum per size and the rule's coefficient and exponent;
+    a sweep whose optimum lies outside its rates is reported as not bracketed."""
+    rng = np.random.default_rng(5)
+    coef, exp = 0.9, -0.11
+    sweeps = {}
+    for C in (1e13, 1e14, 1e15, 1e16):
+        opt = coef * C ** exp
+        rule = opt * rng.uniform(0.6, 1.6)  # the rule misses the optimum by up to 1.7x either way
+        lr = rule * np.array([0.5, 1.0, 2.0, 4.0])
+        loss = 3.0 - 0.1 * np.log10(C) + 0.05 * np.log(lr / opt) ** 2 + rng.normal(0, 1e-4, lr.size)
+        sweeps[C] = (lr, loss)
+    fit = F.fit_lr_rule(sweeps)
+    assert fit.exp == pytest.approx(exp, abs=0.01) and fit.coef == pytest.approx(coef, rel=0.25)
+    for r in fit.sizes:
+        assert r["lr_opt"] == pytest.approx(coef * r["C"] ** exp, rel=0.05)
+    assert fit(1e17) == pytest.approx(coef * 1e17 ** exp, rel=0.1)
+    lr = np.array([1e-3, 2e-3, 4e-3])
+    assert F.lr_optimum(lr, 0.05 * np.log(lr / 1e-2) ** 2)[1] is False  # optimum past the largest rate
+    with pytest.raises(ValueError, match=">= 3 distinct rates"):
+        F.lr_optimum([1e-3, 1e-3, 2e-3], [1.0, 1.0, 0.9])
+
+
+def test_lr_rules_from_ladder_records():
+    """`lr_rules` reads each arm's swept final points from ladder records: a rule where two sizes
+    have >= 3 rates, 'skipped' where they do not."""
+    recs = []
+    for size, C in (("64x4", 1e14), ("96x4", 1e15)):
+        opt = 0.9 * C ** -0.11
+        for mult in (0.5, 1.0, 2.0, 4.0):
+            lr = opt * mult / 1.3
+            recs.append({"arm": "k3", "size": size, "seed": 0, "is_final": True, "lr": lr, "lr_mult": mult,
+                         "flops_6N": C, "val_loss": 2.0 + 0.05 * math.log(lr / opt) ** 2})
+        recs.append({"arm": "k2", "size": size, "seed": 0, "is_final": True, "lr": 1e-3, "lr_mult": 1.0,
+                     "flops_6N": C, "val_loss": 2.5})
+    rules = F.lr_rules(recs, "6N")
+    assert rules["k3"]["exp"] == pytest.approx(-0.11, abs=1e-6) and rules["k3"]["coef"] == pytest.approx(0.9, rel=1e-4)
+    assert "skipped" in rules["k2"]
+
+
+def test_report_prints_the_lr_rule_table():
+    """The markdown report shows the per-arm learning-rate rule when sweeps allow one."""
+    report = {"baseline": "k2", "n_records": 9, "n_boot": 10, "n_boot_E": 10,
+              "sigma_L": {"value": 0.002, "source": "given"},
+              "conventions": {"6N": {"fits": {}, "comparisons": {}, "lr_rules": {
+        "k3": {"coef": 0.9, "exp": -0.11, "sizes": [{"C": 1e14, "lr_opt": 0.026, "bracketed": True},
+                                                    {"C": 1e15, "lr_opt": 0.02, "bracketed": False}]},
+        "k2": {"skipped": "sweeps of >= 3 rates at 1 size(s); a rule needs 2"}}}}}
+    text = F.format_report(report)
+    assert "| k3 | 0.9 | -0.11 | 1.00e+14: 0.026; 1.00e+15: 0.02 (outside) |" in text
+    assert "| k2 | | | skipped:" in text

@@ -234,3 +234,18 @@ def test_micro_ladder_end_to_end_fit_and_plot(tmp_path):
     pngs = sorted(out.glob("*.png"))
     assert any("loss_vs_compute" in p.name for p in pngs) and any("multiplier" in p.name for p in pngs)
     assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_runner_refuses_a_ladder_that_would_repeat_data(tmp_path, capsys):
+    """max_epochs bounds the passes of the largest run over the training split: the check names the
+    run and the numbers, and the CLI stops with exit 2 before training anything."""
+    runs = rl.plan_runs(rl.load_ladder(MICRO))
+    biggest = max(r["tokens"] for r in runs)
+    rl.check_epochs(runs, biggest, 1.0)  # exactly one pass is allowed
+    with pytest.raises(rl.LadderError, match=r"run \S+ would read [\d,]+ tokens, 2\.00 passes .* max_epochs=1"):
+        rl.check_epochs(runs, biggest // 2, 1.0)
+    rl.check_epochs(runs, biggest // 2, 2.0)
+    out = tmp_path / "o"
+    assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--jobs=main", "--set=tokens_per_param=1000"]) == 2
+    assert "passes over the training split" in capsys.readouterr().err
+    assert not (out / "runs").exists() and not list(out.glob("points*.jsonl"))
