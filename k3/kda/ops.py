@@ -25,7 +25,6 @@ each row only, and the final state is the state after the last token of each row
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import jax
@@ -428,10 +427,10 @@ def _pallas_core(q, k, v, g, beta, *, chunk_size, gate_lower_bound, matmul_dtype
 
 
 def _pallas_chunk_kda():
-    try:
-        module = importlib.import_module("pallas_kernels.kda")
-        return module.chunk_kda
-    except (ImportError, AttributeError) as err:
+    try:  # on first use: importing Pallas costs start-up time that CPU-only users need not pay
+        from pallas_kernels.kda import chunk_kda
+        return chunk_kda
+    except ImportError as err:
         raise ImportError(
             "impl='pallas': the Pallas KDA kernel is not available "
             f"(pallas_kernels.kda.chunk_kda could not be loaded: {err}); use impl='chunk' or 'recurrent'"
