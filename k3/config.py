@@ -214,7 +214,7 @@ _RANGES = {
     "train.log_every": _POS, "train.eval_every": _POS, "train.eval_batches": _POS, "train.ckpt_every": _POS,
     "train.keep_ckpts": _POS, "train.keep_period": _NONNEG, "train.peak_flops": _NONNEG,
 }
-# Chunk sizes the Pallas KDA kernel compiles (16-token sub-tiles); the jnp cores take any.
+# Chunk sizes the Pallas KDA kernel compiles (16-token strips); the jnp cores take any.
 PALLAS_KDA_CHUNKS = (16, 32, 64)
 
 

@@ -69,7 +69,7 @@ DEFAULT_IMPLS = "pallas,pallas_bf16,reference,fla"
 KNOWN_IMPLS = ("pallas", "pallas_bf16", "reference", "fla")
 
 LOWER_BOUND = -5.0
-CHUNK_SIZE = 64
+CHUNK_SIZE = 32
 SEED = 0
 TOLERANCE = 2e-2
 

@@ -1,10 +1,11 @@
 """Where the Pallas KDA kernel's time goes: each of its kernels timed on its own.
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
-        [--iters=10] [--out=FILE.json]
+        [--iters=10] [--launch=intra_fwd=8/1,...] [--out=FILE.json]
 
-A variant is chunk_size:matmul_dtype[:warps[:bk]] (warps of the two whole-chunk kernels, default 8;
-key block of the sub-tile backward, default 32). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
+A variant is chunk_size:matmul_dtype[:bk[:bki]] (key blocks of the strip backward and of the
+inter-chunk backward; default: the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
+launch parameters of `pallas_kernels.kda._LAUNCH`. Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
 [-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
 --iters calls after 3 warm-ups, wall clock with block_until_ready). Prints a table and writes JSON.
 """
@@ -35,8 +36,12 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
-def split(shape, chunk, matmul_dtype, iters, warps=8, bk=32):
-    """Median ms and compile s of each forward and backward kernel for one shape and variant."""
+def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=None):
+    """Median ms and compile s of each forward and backward kernel for one shape and variant.
+
+    bk, bki: key blocks of the strip and inter-chunk backward kernels (0: the module's defaults);
+    launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
+    time (default all)."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
@@ -48,25 +53,43 @@ def split(shape, chunk, matmul_dtype, iters, warps=8, bk=32):
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
-    cfg = dataclasses.replace(cfg, intra_warps=warps, BK=min(bk, cfg.K))
+    cfg = dataclasses.replace(cfg, BK=min(bk, cfg.K) if bk else cfg.BK, BKI=min(bki, cfg.K) if bki else cfg.BKI,
+                              launch=tuple(launch))
+    wanted = set(kernels or P._LAUNCH)
     rows = {}
-    w, u, aqk, Tm = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf)
-    rows["intra_fwd"] = _time(lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf), iters)
-    vn, h, ht = P._state_fwd(cfg, k, G, w, u, mf, ml, h0t)
-    rows["state_fwd"] = _time(lambda *a: P._state_fwd(cfg, *a), (k, G, w, u, mf, ml, h0t), iters)
-    rows["output_fwd"] = _time(lambda *a: P._output_fwd(cfg, *a, q.dtype), (q, G, mf, h, aqk, vn), iters)
+
+    def timed(name, fn, args):
+        if name in wanted:
+            rows[name] = _time(fn, args, iters)
+
+    w, u, aqk, Tm, qg, kg = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml)
+    timed("intra_fwd", lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf, ml))
+    vn, h, ht = P._state_fwd(cfg, kg, G, w, u, mf, h0t)
+    timed("state_fwd", lambda *a: P._state_fwd(cfg, *a), (kg, G, w, u, mf, h0t))
+    timed("output_fwd", lambda *a: P._output_fwd(cfg, *a, q.dtype), (qg, h, aqk, vn))
     dht = jnp.zeros_like(ht)
-    dh, dvn, _ = P._state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
-    rows["state_bwd"] = _time(lambda *a: P._state_bwd(cfg, *a), (q, k, G, w, aqk, do, mf, ml, dht), iters)
+    dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
+    timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
     inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
-    rows["inter_bwd"] = _time(lambda *a: P._inter_bwd(cfg, *a), inter_args, iters)
+    timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
     dq0, dk0, dG0, dw = P._inter_bwd(cfg, *inter_args)
     pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn, dw)
-    rows["pairs_bwd"] = _time(lambda *a: P._pairs_bwd(cfg, *a), pairs_args, iters)
+    timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a), pairs_args)
     _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args)
-    rows["intra_bwd"] = _time(lambda *a: P._intra_bwd(cfg, *a),
-                              (q, k, G, beta, doc, mf, Tm, dw, dA, dL, dq0, dk0, dG0), iters)
+    timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, beta, mf, Tm, dw, dA, dL, dq0, dk0, dG0))
     return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
+
+
+def parse_launch(text):
+    """'intra_fwd=8/2,state_fwd=4/3' -> (('intra_fwd', 8, 2), ('state_fwd', 4, 3))."""
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, ws = item.partition("=")
+        if name not in P._LAUNCH:
+            raise SystemExit(f"--launch: unknown kernel {name!r}; expected one of {sorted(P._LAUNCH)}")
+        warps, _, stages = ws.partition("/")
+        out.append((name, int(warps), int(stages or 1)))
+    return tuple(out)
 
 
 def main(argv=None):
@@ -74,15 +97,16 @@ def main(argv=None):
     p.add_argument("--shape", default="8x4096x16x128")
     p.add_argument("--variants", default="64:float32,32:float32")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--launch", type=parse_launch, default=())
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
     report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, variants={})
     print("| variant | kernel | ms | share | compile s |\n|---|---|---|---|---|")
     for variant in args.variants.split(","):
-        chunk, dtype, *warps = variant.split(":")
+        chunk, dtype, *blocks = variant.split(":")
         try:
-            rows = split(shape, int(chunk), dtype, args.iters, *(int(w) for w in warps))
+            rows = split(shape, int(chunk), dtype, args.iters, *(int(b) for b in blocks), launch=args.launch)
         except Exception as exc:  # keep the other variants
             report["variants"][variant] = dict(error=repr(exc)[:500])
             print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)

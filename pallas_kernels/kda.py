@@ -11,24 +11,29 @@ Gamma = cumsum(g) (chunk-local, fp32) and tokens i, j of the same document,
 
 Why the lower bound matters. Aqk and L need exp(Gamma_i - Gamma_j) as a matmul, i.e. split into a
 row factor exp(Gamma_i - mu) and a column factor exp(mu - Gamma_j) around a reference mu. Over a
-whole 64-token chunk the factors overflow; over a 16-token sub-tile they cannot when g >= -5
-(|Gamma - mu| <= 8 * 5 = 40 nats around the sub-tile's middle token). So every 16 x 16 sub-tile is
-one dense matmul: diagonal tiles around their middle token, off-diagonal tiles (row block r, column
-block c < r) around Gamma at the last token of block c, where both factors are <= 1 for any gate.
-There is no element-wise pairwise-decay path. The kernel accepts -10 <= lower_bound < 0 (40 -> 80
-nats, still finite in fp32) and clamps g into [lower_bound, 0]; an unbounded (softplus) gate must use
-the reference path (`k3.kda.ops.kda_core` does this).
+whole 64-token chunk the factors overflow; around the middle token of a 16-token row strip they
+cannot when g >= -5: inside the strip |Gamma - mu| <= 8 * 5 = 40 nats, and every earlier column has
+mu - Gamma_j <= 0 (only underflow, where the true product is negligible too). So each row strip of
+Aqk and L is ONE dense matmul [16, K] x [K, C] against all columns, with the column factor zeroed
+past the strip. There is no element-wise pairwise-decay path. The kernel accepts -10 <= lower_bound
+< 0 (40 -> 80 nats, still finite in fp32) and clamps g into [lower_bound, 0]; an unbounded (softplus)
+gate must use the reference path (`k3.kda.ops.kda_core` does this).
 
 Kernels (each one `pallas_call`; grids over chunks are parallel, grids over value blocks walk the
-chunks in a `fori_loop` with the fp32 state in registers):
+chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 before storing chunk n):
 
-    forward   _intra_fwd   (NT, H, B)       Aqk, L by sub-tiles; T by 16x16 Neumann blocks; w, u
-              _state_fwd   (V/BV, H, B)     the state chain (two matmuls a step): v_new, per-chunk states
-              _output_fwd  (NT, H, B)       o = qg S_in + Aqk v_new
-    backward  _state_bwd   (V/BV, H, B)     reverse chain: dh per chunk, dv_new, d initial state
-              _inter_bwd   (NT, K/BK, H, B) the terms through the states (dq, dk, dGamma parts; dw)
-              _pairs_bwd   (NT, H, B)       whole-chunk: dv, dbeta (values), dL = -T^T dT T^T, dAqk
-              _intra_bwd   (NT, K/BK, H, B) by sub-tiles: the rest of dq, dk, dGamma, dbeta (keys)
+    forward   _intra_fwd   (NT, H, B)        Aqk, L by row strips; T strip by strip from T = I - L T
+                                             with 16 x 16 Neumann inverses; w, u; decayed qg, kg
+              _state_fwd   (V/BV, H, B)      the state chain (two matmuls a step): v_new, per-chunk states
+              _output_fwd  (NT, H, B)        o = qg S_in + Aqk v_new
+    backward  _state_bwd   (V/BV, H, B)      reverse chain: dh per chunk, dv_new, d initial state
+              _inter_bwd   (NT, K/BKI, H, B) the terms through the states (dq, dk, dGamma parts; dw)
+              _pairs_bwd   (NT, H, B)        whole-chunk: dv, dbeta (values), dL = -T^T dT T^T, dAqk
+              _intra_bwd   (NT, K/BK, H, B)  by row strips: the rest of dq, dk, dGamma, dbeta (keys)
+
+Every kernel loads its operands before its first store: Triton cannot hoist a load above a store to
+another pointer, so interleaving them exposes each load's latency (this, with 4 warps, took the
+forward+backward from 16.9 to 9.5 ms at 8 x 4096 x 16 x 128; BENCHMARKS.md).
 
 Gamma's cumsum, padding and the masks for packed documents are plain XLA around a `custom_vjp`
 core, so JAX differentiates them (dg is the reverse cumsum of dGamma).
@@ -39,23 +44,19 @@ that starts inside a chunk do not see the incoming state, and only the chunk's l
 the outgoing state. T need not be a multiple of C: padding with k = v = beta = g = 0 leaves the state
 unchanged.
 
-Backend. The GPU path is the Pallas Triton lowering: it lowers `dot_general` with 16-row operands,
-which is exactly the 16 x 16 sub-tile structure above, and the same kernel source runs in interpret
-mode on the CPU (JAX 0.10.2) and compiled on the H200 (JAX 0.11.2). Mosaic GPU, the backend JAX
-recommends, has no `dot_general` lowering; its wgmma needs M % 64 == 0 and its Python API changes
-between the two JAX versions this code must support, so a Mosaic GPU variant would be a second
-kernel that the CPU tests cannot interpret. Measured on the H200 (BENCHMARKS.md): the compiled
-kernels agree with fla to bf16 level and pass the tests; with matmul_dtype='bfloat16' they take
-2.2-2.8x fla's time forward+backward, and the sub-tile kernels are the largest share.
+Backend. The GPU path is the Pallas Triton lowering: it lowers `dot_general` with 16-row operands
+and equal power-of-two splits of register arrays (`jnp.split`), which is all the strip structure
+needs, and the same kernel source runs in interpret mode on the CPU (JAX 0.10.2) and compiled on the
+H200 (JAX 0.11.2). Mosaic GPU, the backend JAX recommends, has no `dot_general` lowering; its wgmma
+needs M % 64 == 0 and its Python API changes between the two JAX versions this code must support,
+so a Mosaic GPU variant would be a second kernel that the CPU tests cannot interpret.
 
-Precision: gates, Gamma, the state and every accumulator are fp32, and the 16 x 16 inverses (and
-their backward, dL = -T^T dT T^T) are full fp32. With fp32 inputs every matmul is full fp32. With
-bf16 inputs the other matmuls take fp32 operands that the GPU runs as TF32 (`matmul_dtype=
-'float32'`, the default), or bf16 operands and bf16 storage of the intermediates
-(`matmul_dtype='bfloat16'`). Rounding the output to bf16 alone costs a relative error of about
-1.1e-3. Against the float64 recurrence on bf16 inputs (T = 1000, K = 32) the forward error
-measured 1.7e-3 with fp32 intermediates and 3.2e-3 with bf16 ones, so only the former meets a 2e-3
-bound; with TF32 on the H200 the bf16 tests (bound 2e-3) pass.
+Precision: gates, Gamma, the state and every accumulator are fp32. With fp32 inputs every matmul is
+full fp32 (HIGHEST). With bf16 inputs the pair matrices, the inverses and their backward take fp32
+operands that the GPU runs as TF32, and the large matmuls take either TF32 operands with fp32
+intermediates (`matmul_dtype='float32'`) or bf16 operands and bf16 storage of the intermediates
+(`matmul_dtype='bfloat16'`, which the bf16 model uses). Measured against fla on identical bf16
+inputs (BENCHMARKS.md): o differs by 2.3e-3, the gradients by 2.8e-3 to 5.8e-3.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = ["chunk_kda"]
 
-_SUB = 16  # sub-tile: the unit of every dense matmul inside a chunk
+_SUB = 16  # rows of a strip: the unit of the pair matmuls inside a chunk
 _CHUNKS = (16, 32, 64)
 _MIN_LOWER_BOUND = -10.0  # 8 tokens * 10 nats = 80 < log(float32 max) = 88.7
 
@@ -87,14 +88,22 @@ class _Cfg:
     K: int  # padded key dim
     V: int  # padded value dim
     BV: int  # value block of the sequential kernels
-    BK: int  # key block of the K-blocked backward kernels (and column block of the pair kernel)
+    BK: int  # key block of the strip backward kernel
     NT: int  # chunks per row
     scale: float
     mm_dtype: str  # operand and storage dtype of the large matmuls: 'bfloat16' or 'float32'
     h_dtype: str  # storage of the per-chunk states and their gradients
     interpret: bool
     exact: bool  # full-fp32 matmuls; otherwise fp32 operands may run as TF32 on the GPU
-    intra_warps: int = 8  # Triton warps of the chunk-parallel kernels (the state kernels use 4)
+    BKI: int = 0  # key block of the inter-chunk backward kernel (0: BK)
+    launch: tuple = ()  # ((kernel, warps, stages), ...) overriding _LAUNCH
+
+    def __post_init__(self):
+        if not self.BKI:
+            object.__setattr__(self, "BKI", self.BK)
+
+    def launch_of(self, name):
+        return dict(_LAUNCH, **{n: (w, s) for n, w, s in self.launch})[name]
 
     @property
     def md(self):
@@ -109,7 +118,12 @@ class _Cfg:
         return lax.Precision.HIGHEST if self.exact else lax.Precision.DEFAULT
 
 
-_HI = lax.Precision.HIGHEST
+# Triton (num_warps, num_stages) per kernel. The chain kernels hold one [BV, K] state and walk the
+# chunks; the chunk kernels hold a chunk's [C, K] operands and [C, C] pair matrices.
+# Measured on the H200 at chunk 32 (BENCHMARKS.md): 4 warps beat 8 for every kernel; pipelining the
+# chains (stages 2) did not pay, as their next chunk's loads are already issued ahead by hand.
+_LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "output_fwd": (4, 1), "state_bwd": (4, 1),
+           "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1)}
 
 
 def _mm(a, b, prec):
@@ -130,182 +144,137 @@ def _mm_tn(a, b, prec):
                            preferred_element_type=jnp.float32)
 
 
-def _tile_masks():
-    row = lax.broadcasted_iota(jnp.int32, (_SUB, _SUB), 0)
-    col = lax.broadcasted_iota(jnp.int32, (_SUB, _SUB), 1)
-    return (row == col).astype(jnp.float32), row >= col, row > col
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _neumann_inverse(L, eye):
+def _neumann_inverse(L, eye, prec):
     """(I + L)^-1 of a strictly lower 16 x 16 tile: (I - L)(I + L^2)(I + L^4)(I + L^8), exact as L^16 = 0."""
     P = eye - L
-    X = _mm(L, L, _HI)
-    for _ in range(3):
-        P = P + _mm(P, X, _HI)
-        X = _mm(X, X, _HI)
+    X = _mm(L, L, prec)
+    for i in range(3):
+        P = P + _mm(P, X, prec)
+        if i < 2:
+            X = _mm(X, X, prec)
     return P
 
 
-class _Tile:
-    """Sub-tile r (16 tokens) of a chunk. Every entry is loaded or computed when it is asked for, so a
-    kernel keeps only the tiles it is working on live (a chunk's worth of 16 x K fp32 arrays spills)."""
+def _strip(G_ref, r, C):
+    """Decay factors of row strip r (tokens 16r..16r+15) against every column of the chunk, around
+    the strip's middle token mu: the row factor e^{Gamma_i - mu} [16, K] and the column factor
+    e^{mu - Gamma_j} [C, K], zero for the columns j >= 16(r + 1) that no row of the strip sees.
 
-    def __init__(self, q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, r):
-        self._refs = (q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref)
-        self._rows = pl.ds(r * _SUB, _SUB)
-        self._r = r
-
-    def _row(self, i):
-        return self._refs[2][pl.ds(self._r * _SUB + i, 1), :]
-
-    @property
-    def q(self):
-        return self._refs[0][self._rows, :].astype(jnp.float32)
-
-    @property
-    def k(self):
-        return self._refs[1][self._rows, :].astype(jnp.float32)
-
-    @property
-    def G(self):
-        return self._refs[2][self._rows, :]
-
-    @property
-    def G_first(self):
-        return self._row(0)
-
-    @property
-    def G_mid(self):
-        return self._row(_SUB // 2)
-
-    @property
-    def beta(self):
-        return self._refs[3][self._rows].astype(jnp.float32)[:, None]
-
-    @property
-    def doc(self):
-        return self._refs[4][self._rows]
-
-    @property
-    def mf(self):
-        return self._refs[5][self._rows][:, None]
-
-
-def _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb):
-    return [_Tile(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, r) for r in range(nb)]
-
-
-def _pair(tiles, r, c):
-    """Operands of sub-tile (r, c <= r): (q rows, k rows, row factor, k columns, column factor).
-
-    Diagonal tiles factor around the tile's middle token (factors within e^{+-8 |lower_bound|});
-    off-diagonal ones around the first token of row tile r, where both factors are <= 1.
+    Inside the strip |Gamma - mu| <= 8 |lower_bound| (finite for lower_bound >= -10); earlier columns
+    have mu - Gamma_j <= 0, so nothing overflows and one matmul gives the whole strip of pairs.
     """
-    tr, tc = tiles[r], tiles[c]
-    G = tr.G
-    mu = tr.G_mid if r == c else tr.G_first
-    row_f = jnp.exp(G - mu)
-    col_f = jnp.exp(mu - (G if r == c else tc.G))
-    return tr.q * row_f, tr.k * row_f, row_f, tc.k * col_f, col_f
+    mu = G_ref[pl.ds(r * _SUB + _SUB // 2, 1), :]
+    row_f = jnp.exp(G_ref[pl.ds(r * _SUB, _SUB), :] - mu)
+    live = _iota((C, 1), 0) < (r + 1) * _SUB
+    col_f = jnp.exp(jnp.where(live, mu - G_ref[...], -jnp.inf))
+    return row_f, col_f
+
+
+def _row_tiles(x, nb):
+    """[C, ...] -> nb row tiles [16, ...] (an equal power-of-two split, which Triton lowers)."""
+    return [x] if nb == 1 else jnp.split(x, nb, axis=0)
+
+
+def _last_decay(G_ref, mf_ref, n, C):
+    """[1, K] decay of the state over chunk n; the old state survives the chunk only if the chunk's
+    last token still belongs to its document."""
+    last = pl.ds(n * C + C - 1, 1)
+    return jnp.exp(G_ref[last, :]) * mf_ref[last][None, :]
 
 
 # ----------------------------------------------------------------------------------------------------
-# Forward kernels
+# Forward kernels. Each loads its inputs before its first store: a load that follows a store to
+# another block cannot be hoisted above it, and its latency then serialises the kernel.
 # ----------------------------------------------------------------------------------------------------
 
 
-def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref,
-                      w_ref, u_ref, aqk_ref, t_ref, *, cfg: _Cfg):
-    """One chunk: Aqk [C, C], T = (I + L)^-1 [C, C], w [C, K], u [C, V]."""
-    nb, md, pt = cfg.C // _SUB, cfg.md, cfg.prec_tile
-    eye, causal, strict = _tile_masks()
-    tiles = _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
-    zero = jnp.zeros((_SUB, _SUB), jnp.float32)
-
-    Lb = [[None] * nb for _ in range(nb)]
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_ref,
+                      w_ref, u_ref, aqk_ref, t_ref, qg_ref, kg_ref, *, cfg: _Cfg):
+    """One chunk: Aqk [C, C], T = (I + L)^-1 [C, C], w [C, K], u [C, V], and the decayed queries
+    qg = scale q e^Gamma and keys kg = k e^{Gamma_last - Gamma} [C, K] that the state kernels use."""
+    C, nb, md, pt, pm = cfg.C, cfg.C // _SUB, cfg.md, cfg.prec_tile, cfg.prec_mm
+    f32 = jnp.float32
+    k = k_ref[...].astype(f32)
+    doc = doc_ref[...]
+    col = _iota((_SUB, C), 1)
+    A, L = [], []
     for r in range(nb):
-        for c in range(nb):
-            cols = pl.ds(c * _SUB, _SUB)
-            if c > r:
-                aqk_ref[pl.ds(r * _SUB, _SUB), cols] = zero.astype(aqk_ref.dtype)
-                continue
-            rq, rk, _, col, _ = _pair(tiles, r, c)
-            same = tiles[r].doc[:, None] == tiles[c].doc[None, :]
-            qk = _mm_nt(rq, col, pt)
-            kk = _mm_nt(rk, col, pt)
-            mask_a, mask_l = (causal & same, strict & same) if r == c else (same, same)
-            aqk_ref[pl.ds(r * _SUB, _SUB), cols] = jnp.where(mask_a, cfg.scale * qk, 0.0).astype(aqk_ref.dtype)
-            Lb[r][c] = jnp.where(mask_l, tiles[r].beta * kk, 0.0)
+        rows = pl.ds(r * _SUB, _SUB)
+        row_f, col_f = _strip(G_ref, r, C)
+        kc = k * col_f
+        qk = _mm_nt(q_ref[rows, :].astype(f32) * row_f, kc, pt)
+        kk = _mm_nt(k_ref[rows, :].astype(f32) * row_f, kc, pt)
+        row = _iota((_SUB, C), 0) + r * _SUB
+        same = doc_ref[rows][:, None] == doc[None, :]
+        A.append(jnp.where((col <= row) & same, cfg.scale * qk, 0.0))
+        L.append(jnp.where((col < row) & same, beta_ref[rows].astype(f32)[:, None] * kk, 0.0))
 
-    # Block forward substitution: T_rr = (I + L_rr)^-1, T_rc = -T_rr sum_{m=c}^{r-1} L_rm T_mc.
-    Tb = [[None] * nb for _ in range(nb)]
+    G = G_ref[...]
+    beta = beta_ref[...].astype(f32)[:, None]
+    mf, ml = mf_ref[...][:, None], ml_ref[...][:, None]
+    eG = jnp.exp(G)
+    kb = (beta * mf * k * eG).astype(md)
+    vb = (beta * v_ref[...].astype(f32)).astype(md)
+
+    # Row strips of T from T = I - L T: (I + L_rr) T_r = I_r - sum_{s<r} L_rs T_s, then the strips
+    # of w = T kb and u = T vb. Tiles of a strip come from an equal split (no selection matmuls).
+    eye = (_iota((_SUB, _SUB), 0) == _iota((_SUB, _SUB), 1)).astype(f32)
+    T, w, u = [], [], []
     for r in range(nb):
-        Tb[r][r] = _neumann_inverse(Lb[r][r], eye)
-        for c in range(r - 1, -1, -1):
-            acc = _mm(Lb[r][c], Tb[c][c], _HI)
-            for m in range(c + 1, r):
-                acc = acc + _mm(Lb[r][m], Tb[m][c], _HI)
-            Tb[r][c] = -_mm(Tb[r][r], acc, _HI)
-        for c in range(nb):
-            t_ref[pl.ds(r * _SUB, _SUB), pl.ds(c * _SUB, _SUB)] = (Tb[r][c] if c <= r else zero)
-
-    def kb(c):
-        t = tiles[c]
-        return (t.beta * t.mf * t.k * jnp.exp(t.G)).astype(md)
-
-    def vb(c):
-        return (tiles[c].beta * v_ref[pl.ds(c * _SUB, _SUB), :].astype(jnp.float32)).astype(md)
+        L_r = [L[r]] if nb == 1 else jnp.split(L[r], nb, axis=1)  # tiles L_rs [16, 16]
+        rhs = (col == _iota((_SUB, C), 0) + r * _SUB).astype(f32)
+        for s_ in range(r):
+            rhs = rhs - _mm(L_r[s_], T[s_], pt)
+        T_r = _mm(_neumann_inverse(L_r[r], eye, pt), rhs, pt)
+        T.append(T_r)
+        Tm = T_r.astype(md)
+        w.append(_mm(Tm, kb, pm))
+        u.append(_mm(Tm, vb, pm))
+    qg = cfg.scale * q_ref[...].astype(f32) * eG * mf
+    kg = k * jnp.exp(G_ref[pl.ds(C - 1, 1), :] - G) * ml
 
     for r in range(nb):
-        w = sum(_mm(Tb[r][c].astype(md), kb(c), cfg.prec_mm) for c in range(r + 1))
-        u = sum(_mm(Tb[r][c].astype(md), vb(c), cfg.prec_mm) for c in range(r + 1))
-        w_ref[pl.ds(r * _SUB, _SUB), :] = w.astype(w_ref.dtype)
-        u_ref[pl.ds(r * _SUB, _SUB), :] = u.astype(u_ref.dtype)
+        rows = pl.ds(r * _SUB, _SUB)
+        aqk_ref[rows, :] = A[r].astype(aqk_ref.dtype)
+        t_ref[rows, :] = T[r]
+        w_ref[rows, :] = w[r].astype(w_ref.dtype)
+        u_ref[rows, :] = u[r].astype(u_ref.dtype)
+    qg_ref[...] = qg.astype(qg_ref.dtype)
+    kg_ref[...] = kg.astype(kg_ref.dtype)
 
 
-def _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg):
-    """Decayed queries qg [C, K], keys kg [C, K] and the state decay [1, K] of chunk n."""
-    C = cfg.C
-    rows = pl.ds(n * C, C)
-    G = G_ref[rows, :]
-    G_last = G_ref[pl.ds(n * C + C - 1, 1), :]
-    mf, ml = mf_ref[rows][:, None], ml_ref[rows][:, None]
-    qg = cfg.scale * q_ref[rows, :].astype(jnp.float32) * jnp.exp(G) * mf
-    kg = k_ref[rows, :].astype(jnp.float32) * jnp.exp(G_last - G) * ml
-    # The old state survives the chunk only if the chunk's last token still belongs to its document.
-    decay = jnp.exp(G_last) * mf_ref[pl.ds(n * C + C - 1, 1)][None, :]
-    return qg, kg, decay
-
-
-def _state_fwd_kernel(k_ref, G_ref, w_ref, u_ref, mf_ref, ml_ref, h0_ref,
-                      vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
+def _state_fwd_kernel(kg_ref, G_ref, w_ref, u_ref, mf_ref, h0_ref, vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
     """One (row, head, value block): the chunk chain, two matmuls a step. The state is kept
-    transposed, St = S^T [BV, K]; the state entering each chunk is saved for the output kernel."""
-    C, md, pm = cfg.C, cfg.md, cfg.prec_mm
+    transposed, St = S^T [BV, K]; the state entering each chunk is saved for the output kernel.
+    Chunk n + 1's operands are loaded before chunk n's stores, so their latency overlaps the step."""
+    C, md, pm, NT = cfg.C, cfg.md, cfg.prec_mm, cfg.NT
     j = pl.program_id(0)
 
-    def body(n, St):
+    def load(n):
         rows = pl.ds(n * C, C)
-        G = G_ref[rows, :]
-        G_last = G_ref[pl.ds(n * C + C - 1, 1), :]
-        kg = k_ref[rows, :].astype(jnp.float32) * jnp.exp(G_last - G) * ml_ref[rows][:, None]
-        # The old state survives the chunk only if the chunk's last token still belongs to its document.
-        decay = jnp.exp(G_last) * mf_ref[pl.ds(n * C + C - 1, 1)][None, :]
+        return w_ref[rows, :], u_ref[rows, :], kg_ref[rows, :], _last_decay(G_ref, mf_ref, n, C)
+
+    def body(n, carry):
+        St, (w, u, kg, decay) = carry
+        nxt = load(jnp.minimum(n + 1, NT - 1))
         h_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = St.astype(h_ref.dtype)
-        vn = u_ref[rows, :].astype(jnp.float32) - _mm_nt(w_ref[rows, :], St.astype(md), pm)
-        vnm = vn.astype(md)
-        vn_ref[rows, :] = vnm.astype(vn_ref.dtype)
-        return St * decay + _mm_tn(vnm, kg.astype(md), pm)
+        vn = (u.astype(jnp.float32) - _mm_nt(w, St.astype(md), pm)).astype(md)
+        vn_ref[pl.ds(n * C, C), :] = vn.astype(vn_ref.dtype)
+        return St * decay + _mm_tn(vn, kg, pm), nxt
 
-    ht_ref[...] = lax.fori_loop(0, cfg.NT, body, h0_ref[...].astype(jnp.float32))
+    St, _ = lax.fori_loop(0, NT, body, (h0_ref[...].astype(jnp.float32), load(0)))
+    ht_ref[...] = St
 
 
-def _output_fwd_kernel(q_ref, G_ref, mf_ref, h_ref, aqk_ref, vn_ref, o_ref, *, cfg: _Cfg):
-    """One chunk: o = (scale q e^Gamma) S_in + Aqk v_new [C, V] (rows of a document that starts inside
-    the chunk do not see S_in)."""
+def _output_fwd_kernel(qg_ref, h_ref, aqk_ref, vn_ref, o_ref, *, cfg: _Cfg):
+    """One chunk: o = qg S_in + Aqk v_new [C, V] (qg is zero on rows of a document that starts
+    inside the chunk, which do not see S_in)."""
     md, pm = cfg.md, cfg.prec_mm
-    qg = cfg.scale * q_ref[...].astype(jnp.float32) * jnp.exp(G_ref[...]) * mf_ref[...][:, None]
-    o = _mm_nt(qg.astype(md), h_ref[...].astype(md), pm) + _mm(aqk_ref[...], vn_ref[...].astype(md), pm)
+    o = _mm_nt(qg_ref[...], h_ref[...].astype(md), pm) + _mm(aqk_ref[...], vn_ref[...].astype(md), pm)
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -314,29 +283,35 @@ def _output_fwd_kernel(q_ref, G_ref, mf_ref, h_ref, aqk_ref, vn_ref, o_ref, *, c
 # ----------------------------------------------------------------------------------------------------
 
 
-def _state_bwd_kernel(q_ref, k_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, ml_ref, dht_ref,
+def _state_bwd_kernel(qg_ref, kg_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, dht_ref,
                       dh_ref, dvn_ref, dh0_ref, *, cfg: _Cfg):
-    """Reverse chunk chain: dh_n (gradient of the state leaving chunk n), dv_new, d initial state."""
+    """Reverse chunk chain: dh_n (gradient of the state leaving chunk n), dv_new, d initial state.
+    As in the forward chain, the next chunk's operands are loaded before this chunk's stores."""
     C, md, pm, NT = cfg.C, cfg.md, cfg.prec_mm, cfg.NT
     j = pl.program_id(0)
 
-    def body(i, dSt):
-        n = NT - 1 - i
+    def load(n):
         rows = pl.ds(n * C, C)
-        qg, kg, decay = _chunk_decays(q_ref, k_ref, G_ref, mf_ref, ml_ref, n, cfg)
-        dh_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = dSt.astype(dh_ref.dtype)
-        dO = do_ref[rows, :].astype(md)
-        dvn = _mm_tn(aqk_ref[rows, :], dO, pm) + _mm_nt(kg.astype(md), dSt.astype(md), pm)
-        dvn_ref[rows, :] = dvn
-        return dSt * decay + _mm_tn(dO, qg.astype(md), pm) - _mm_tn(dvn.astype(md), w_ref[rows, :], pm)
+        return (qg_ref[rows, :], kg_ref[rows, :], w_ref[rows, :], aqk_ref[rows, :],
+                do_ref[rows, :].astype(md), _last_decay(G_ref, mf_ref, n, C))
 
-    dh0_ref[...] = lax.fori_loop(0, NT, body, dht_ref[...].astype(jnp.float32))
+    def body(i, carry):
+        dSt, (qg, kg, w, aqk, dO, decay) = carry
+        n = NT - 1 - i
+        nxt = load(jnp.maximum(n - 1, 0))
+        dh_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = dSt.astype(dh_ref.dtype)
+        dvn = _mm_tn(aqk, dO, pm) + _mm_nt(kg, dSt.astype(md), pm)
+        dvn_ref[pl.ds(n * C, C), :] = dvn
+        return dSt * decay + _mm_tn(dO, qg, pm) - _mm_tn(dvn.astype(md), w, pm), nxt
+
+    dSt, _ = lax.fori_loop(0, NT, body, (dht_ref[...].astype(jnp.float32), load(NT - 1)))
+    dh0_ref[...] = dSt
 
 
 def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
                       dq_ref, dk_ref, dG_ref, dw_ref, *, cfg: _Cfg):
     """One chunk, the terms through the states: o = qg S_in, S_out = decay S_in + kg^T v_new,
-    v_new = u - w S_in. One key block [C, BK]; writes the first parts of dq, dk, dGamma and dw."""
+    v_new = u - w S_in. One key block [C, BKI]; writes the first parts of dq, dk, dGamma and dw."""
     f32, md, pm, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.C
     G = G_ref[...]
     G_end = G_ref[pl.ds(C - 1, 1), :]
@@ -350,11 +325,12 @@ def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref
     dk = jnp.exp(G_end - G) * ml_ref[...][:, None] * _mm(vn_ref[...].astype(md), dSh, pm)
     kg_dkg = k_ref[...].astype(f32) * dk
     dG_end = keep_state * jnp.exp(G_end) * dd + jnp.sum(kg_dkg, axis=0)[None, :]
-    last_row = lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+    last_row = _iota((C, 1), 0) == C - 1
+    dw = -_mm(dvn_ref[...].astype(md), Sh, pm)
     dq_ref[...] = dq
     dk_ref[...] = dk
     dG_ref[...] = q_ref[...].astype(f32) * dq - kg_dkg + jnp.where(last_row, dG_end, 0.0)
-    dw_ref[...] = -_mm(dvn_ref[...].astype(md), Sh, pm)
+    dw_ref[...] = dw
 
 
 def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
@@ -365,80 +341,66 @@ def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
     f32, pm, pt, C = jnp.float32, cfg.prec_mm, cfg.prec_tile, cfg.C
     T = t_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
-    bmf = beta * mf_ref[...][:, None]
-    # Column blocks keep only [C, BK] slices of the [C, V] and [C, K] operands live (whole ones spill).
-    dT = jnp.zeros((C, C), f32)
-    dbeta = jnp.zeros((C,), f32)
-    for j in range(cfg.V // cfg.BK):
-        cols = pl.ds(j * cfg.BK, cfg.BK)
-        dvn, v = dvn_ref[:, cols], v_ref[:, cols].astype(f32)
-        dvb = _mm_tn(T, dvn, pt)
-        dv_ref[:, cols] = (beta * dvb).astype(dv_ref.dtype)
-        dbeta = dbeta + jnp.sum(v * dvb, axis=1)
-        dT = dT + _mm_nt(dvn, beta * v, pt)
-    for j in range(cfg.K // cfg.BK):
-        cols = pl.ds(j * cfg.BK, cfg.BK)
-        kb = bmf * k_ref[:, cols].astype(f32) * jnp.exp(G_ref[:, cols])
-        dT = dT + _mm_nt(dw_ref[:, cols], kb, pt)
-    dbeta_ref[...] = dbeta
-    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    dvn, v = dvn_ref[...], v_ref[...].astype(f32)
+    kb = beta * mf_ref[...][:, None] * k_ref[...].astype(f32) * jnp.exp(G_ref[...])
+    dvb = _mm_tn(T, dvn, pt)
+    dT = _mm_nt(dvn, beta * v, pt) + _mm_nt(dw_ref[...], kb, pt)
+    row, col = _iota((C, C), 0), _iota((C, C), 1)
     doc = doc_ref[...]
     same = doc[:, None] == doc[None, :]
-    dL = -_mm_nt(_mm_tn(T, dT, _HI), T, _HI)
-    dl_ref[...] = jnp.where((row > col) & same, dL, 0.0)
+    dL = -_mm_nt(_mm_tn(T, dT, pt), T, pt)
     dA = cfg.scale * _mm_nt(do_ref[...].astype(cfg.md), vn_ref[...].astype(cfg.md), pm)
+    dv_ref[...] = (beta * dvb).astype(dv_ref.dtype)
+    dbeta_ref[...] = jnp.sum(v * dvb, axis=1)
+    dl_ref[...] = jnp.where((row > col) & same, dL, 0.0)
     da_ref[...] = jnp.where((row >= col) & same, dA, 0.0)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
+def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
                       dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
-    """One chunk and key block [C, BK], by sub-tiles: from dw (w = T kb) and dL, dAqk back through the
-    sub-tile factorisation to dq, dk, dGamma (added to the inter-chunk parts) and this key block's
-    part of dbeta."""
+    """One chunk and key block [C, BK], by row strips: from dw (w = T kb) and dL, dAqk back through
+    the strip factorisation of `_strip` to dq, dk, dGamma (added to the inter-chunk parts) and this
+    key block's part of dbeta. Per strip r with P = (x_r row_f) (k col_f)^T:
+    d(x_r) = row_f (dP kc), d(k) = col_f (dP^T xr), dGamma_r += xr (dP kc), dGamma -= kc (dP^T xr)."""
     f32, pt, C = jnp.float32, cfg.prec_tile, cfg.C
     nb = C // _SUB
-    tiles = _tiles(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, nb)
+    k = k_ref[...].astype(f32)
+    beta = beta_ref[...].astype(f32)
+    mf = mf_ref[...]
+    bmf = (beta * mf)[:, None]
+    eG = jnp.exp(G_ref[...])
+    dkb = _mm_tn(t_ref[...], dw_ref[...], pt)  # w = T kb, kb = beta mf k e^Gamma
+    k_eG_dkb = k * eG * dkb
+    dk = dk0_ref[...] + bmf * eG * dkb
+    dG = dG0_ref[...] + bmf * k_eG_dkb
+    dbeta = mf * jnp.sum(k_eG_dkb, axis=1)
 
-    def rows(r):
-        return pl.ds(r * _SUB, _SUB)
-
-    dq = [dq0_ref[rows(r), :] for r in range(nb)]
-    dk = [dk0_ref[rows(r), :] for r in range(nb)]
-    dG = [dG0_ref[rows(r), :] for r in range(nb)]
-
-    dbeta = []
-    for c in range(nb):
-        dkb_c = sum(_mm_tn(t_ref[rows(r), rows(c)], dw_ref[rows(r), :], pt) for r in range(c, nb))
-        t = tiles[c]
-        eG = jnp.exp(t.G)
-        k_eG_dkb = t.k * eG * dkb_c
-        dbeta.append(t.mf[:, 0] * jnp.sum(k_eG_dkb, axis=1))
-        dk[c] = dk[c] + t.beta * t.mf * eG * dkb_c
-        dG[c] = dG[c] + t.beta * t.mf * k_eG_dkb
-
+    # Column-side terms accumulate over the strips in [C, BK]; row-side terms stay per strip.
+    row_dq, row_dk, row_dG, row_dbeta = [], [], [], []
     for r in range(nb):
-        t = tiles[r]
-        for c in range(r + 1):
-            rq, rk, row_f, col, col_f = _pair(tiles, r, c)
-            dA = da_ref[rows(r), rows(c)]
-            dL = dl_ref[rows(r), rows(c)]
-            dbeta[r] = dbeta[r] + jnp.sum(dL * _mm_nt(rk, col, pt), axis=1)
-            dP = t.beta * dL
-            Xq = _mm(dA, col, pt)
-            Xk = _mm(dP, col, pt)
-            dq[r] = dq[r] + row_f * Xq
-            dk[r] = dk[r] + row_f * Xk
-            dG[r] = dG[r] + rq * Xq + rk * Xk
-            Y = _mm_tn(dA, rq, pt) + _mm_tn(dP, rk, pt)
-            dk[c] = dk[c] + col_f * Y
-            dG[c] = dG[c] - col * Y
+        rows = pl.ds(r * _SUB, _SUB)
+        row_f, col_f = _strip(G_ref, r, C)
+        kc = k * col_f
+        rq = q_ref[rows, :].astype(f32) * row_f
+        rk = k_ref[rows, :].astype(f32) * row_f
+        dA, dL = da_ref[rows, :], dl_ref[rows, :]
+        row_dbeta.append(jnp.sum(dL * _mm_nt(rk, kc, pt), axis=1))
+        dP = beta_ref[rows].astype(f32)[:, None] * dL
+        Xq, Xk = _mm(dA, kc, pt), _mm(dP, kc, pt)
+        Y = _mm_tn(dA, rq, pt) + _mm_tn(dP, rk, pt)
+        dk = dk + col_f * Y
+        dG = dG - kc * Y
+        row_dq.append(row_f * Xq)
+        row_dk.append(row_f * Xk)
+        row_dG.append(rq * Xq + rk * Xk)
 
-    for r in range(nb):
-        dq_ref[rows(r), :] = dq[r].astype(dq_ref.dtype)
-        dk_ref[rows(r), :] = dk[r].astype(dk_ref.dtype)
-        dbeta_ref[rows(r)] = dbeta[r]
-        dG_ref[rows(r), :] = dG[r]
+    tiles = zip(_row_tiles(dq0_ref[...], nb), _row_tiles(dk, nb), _row_tiles(dG, nb), _row_tiles(dbeta, nb))
+    for r, (dq_r, dk_r, dG_r, db_r) in enumerate(tiles):
+        rows = pl.ds(r * _SUB, _SUB)
+        dq_ref[rows, :] = (dq_r + row_dq[r]).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dk_r + row_dk[r]).astype(dk_ref.dtype)
+        dG_ref[rows, :] = dG_r + row_dG[r]
+        dbeta_ref[rows] = db_r + row_dbeta[r]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -446,16 +408,23 @@ def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, dw_
 # ----------------------------------------------------------------------------------------------------
 
 
-def _compiler_params(cfg, num_warps):
-    """Triton launch parameters; the chunk kernels hold many 16 x K tiles, so they get more warps."""
+def _compiler_params(cfg, name):
+    """Triton launch parameters of kernel `name` (`cfg.launch`, or `_LAUNCH`)."""
     if cfg.interpret:
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    warps, stages = cfg.launch_of(name)
+    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _chunk_specs(cfg, B, H):
+def _call(cfg, kernel, name, grid, in_specs, out_specs, out_shape):
+    return pl.pallas_call(functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs,
+                          out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
+                          compiler_params=_compiler_params(cfg, name), name=f"kda_{name}")
+
+
+def _chunk_specs(cfg):
     """BlockSpecs for the chunk-parallel grid (NT, H, B)."""
     C = cfg.C
 
@@ -484,145 +453,127 @@ def _seq_specs(cfg):
     return tok, vblk, per_row, states, one_state
 
 
-def _intra_fwd(cfg, q, k, v, G, beta, doc, mf):
-    """w [B, Tp, H, K], u [B, Tp, H, V], Aqk and T [B, Tp, H, C] for every chunk."""
+def _kblock_specs(cfg, BK):
+    """BlockSpecs for the grid (NT, K / BK, H, B) of the key-blocked backward kernels."""
+    C = cfg.C
+    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
+
+    def tok(D):
+        return pl.BlockSpec((None, C, None, D), lambda n, j, h, b: (b, n, h, 0))
+
+    per_tok = pl.BlockSpec((None, C, None), lambda n, j, h, b: (b, n, h))
+    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
+    return kblk, tok, per_tok, per_row
+
+
+def _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml):
+    """w, qg, kg [B, Tp, H, K], u [B, Tp, H, V], Aqk and T [B, Tp, H, C] for every chunk."""
     B, Tp, H, _ = q.shape
     C, K, V, NT, md = cfg.C, cfg.K, cfg.V, cfg.NT, cfg.md
-    tok, per_tok, per_row, _ = _chunk_specs(cfg, B, H)
-    return pl.pallas_call(
-        functools.partial(_intra_fwd_kernel, cfg=cfg),
-        grid=(NT, H, B),
-        in_specs=[tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row],
-        out_specs=[tok(K), tok(V), tok(C), tok(C)],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), md), jax.ShapeDtypeStruct((B, Tp, H, V), md),
-                   jax.ShapeDtypeStruct((B, Tp, H, C), md),
-                   jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, cfg.intra_warps), name="kda_intra_fwd",
-    )(q, k, v, G, beta, doc, mf)
+    tok, per_tok, per_row, _ = _chunk_specs(cfg)
+    keys = jax.ShapeDtypeStruct((B, Tp, H, K), md)
+    return _call(cfg, _intra_fwd_kernel, "intra_fwd", (NT, H, B),
+                 [tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row, per_row],
+                 [tok(K), tok(V), tok(C), tok(C), tok(K), tok(K)],
+                 [keys, jax.ShapeDtypeStruct((B, Tp, H, V), md), jax.ShapeDtypeStruct((B, Tp, H, C), md),
+                  jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32), keys, keys],
+                 )(q, k, v, G, beta, doc, mf, ml)
 
 
-def _state_fwd(cfg, k, G, w, u, mf, ml, h0t):
+def _state_fwd(cfg, kg, G, w, u, mf, h0t):
     """v_new [B, Tp, H, V], per-chunk states [B, H, NT * V, K], final state^T [B, H, V, K]."""
-    B, Tp, H, K = k.shape
+    B, Tp, H, K = kg.shape
     V, NT = cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
-    return pl.pallas_call(
-        functools.partial(_state_fwd_kernel, cfg=cfg),
-        grid=(V // cfg.BV, H, B),
-        in_specs=[stok(K), stok(K), stok(K), vblk, srow, srow, one_state],
-        out_specs=[vblk, states, one_state],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md),
-                   jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
-                   jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_state_fwd",
-    )(k, G, w, u, mf, ml, h0t)
+    return _call(cfg, _state_fwd_kernel, "state_fwd", (V // cfg.BV, H, B),
+                 [stok(K), stok(K), stok(K), vblk, srow, one_state],
+                 [vblk, states, one_state],
+                 [jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md),
+                  jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
+                  jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
+                 )(kg, G, w, u, mf, h0t)
 
 
-def _output_fwd(cfg, q, G, mf, h, aqk, vn, out_dtype):
+def _output_fwd(cfg, qg, h, aqk, vn, out_dtype):
     """o [B, Tp, H, V] from the saved states, Aqk and v_new, every chunk in parallel."""
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = qg.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
-    tok, _, per_row, state = _chunk_specs(cfg, B, H)
-    return pl.pallas_call(
-        functools.partial(_output_fwd_kernel, cfg=cfg),
-        grid=(NT, H, B),
-        in_specs=[tok(K), tok(K), per_row, state, tok(C), tok(V)],
-        out_specs=tok(V),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_output_fwd",
-    )(q, G, mf, h, aqk, vn)
+    tok, _, _, state = _chunk_specs(cfg)
+    return _call(cfg, _output_fwd_kernel, "output_fwd", (NT, H, B),
+                 [tok(K), state, tok(C), tok(V)], tok(V),
+                 jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype))(qg, h, aqk, vn)
 
 
 def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
-    w, u, aqk, T = _intra_fwd(cfg, q, k, v, G, beta, doc, mf)
-    vn, h, ht = _state_fwd(cfg, k, G, w, u, mf, ml, h0t)
-    o = _output_fwd(cfg, q, G, mf, h, aqk, vn, q.dtype)
-    return o, ht, (w, aqk, T, h, vn)
+    w, u, aqk, T, qg, kg = _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml)
+    vn, h, ht = _state_fwd(cfg, kg, G, w, u, mf, h0t)
+    o = _output_fwd(cfg, qg, h, aqk, vn, q.dtype)
+    return o, ht, (w, aqk, T, h, vn, qg, kg)
 
 
-def _state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht):
+def _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht):
     """dh [B, H, NT * V, K], dv_new [B, Tp, H, V], d initial state^T [B, H, V, K]."""
-    B, Tp, H, _ = q.shape
-    C, K, V, NT = cfg.C, cfg.K, cfg.V, cfg.NT
+    B, Tp, H, K = qg.shape
+    C, V, NT = cfg.C, cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
-    return pl.pallas_call(
-        functools.partial(_state_bwd_kernel, cfg=cfg),
-        grid=(V // cfg.BV, H, B),
-        in_specs=[stok(K), stok(K), stok(K), stok(K), stok(C), vblk, srow, srow, one_state],
-        out_specs=[states, vblk, one_state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
-                   jax.ShapeDtypeStruct((B, Tp, H, V), jnp.float32),
-                   jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_state_bwd",
-    )(q, k, G, w, aqk, do, mf, ml, dht)
+    return _call(cfg, _state_bwd_kernel, "state_bwd", (V // cfg.BV, H, B),
+                 [stok(K), stok(K), stok(K), stok(K), stok(C), vblk, srow, one_state],
+                 [states, vblk, one_state],
+                 [jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, V), jnp.float32),
+                  jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
+                 )(qg, kg, G, w, aqk, do, mf, dht)
 
 
 def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
     """Inter-chunk parts of dq, dk, dGamma and dw, each [B, Tp, H, K] fp32; every term is per key
     channel, so the grid splits the keys into blocks."""
     B, Tp, H, K = q.shape
-    C, BK, V, NT = cfg.C, cfg.BK, cfg.V, cfg.NT
-    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
-    vtok = pl.BlockSpec((None, C, None, V), lambda n, j, h, b: (b, n, h, 0))
-    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
+    BK, V, NT = cfg.BKI, cfg.V, cfg.NT
+    kblk, tok, _, per_row = _kblock_specs(cfg, BK)
     state = pl.BlockSpec((None, None, V, BK), lambda n, j, h, b: (b, h, n, j))
     f32 = jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_inter_bwd_kernel, cfg=cfg),
-        grid=(NT, K // BK, H, B),
-        in_specs=[kblk, kblk, kblk, per_row, per_row, state, state, vtok, vtok, vtok],
-        out_specs=[kblk] * 4,
-        out_shape=[f32] * 4,
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_inter_bwd",
-    )(q, k, G, mf, ml, h, dh, do, vn, dvn)
+    return _call(cfg, _inter_bwd_kernel, "inter_bwd", (NT, K // BK, H, B),
+                 [kblk, kblk, kblk, per_row, per_row, state, state, tok(V), tok(V), tok(V)],
+                 [kblk] * 4, [f32] * 4)(q, k, G, mf, ml, h, dh, do, vn, dvn)
 
 
 def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw):
     """dv [B, Tp, H, V], the value part of dbeta [B, Tp, H] fp32, dL and dAqk [B, Tp, H, C] fp32."""
     B, Tp, H, K = k.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
-    tok, per_tok, per_row, _ = _chunk_specs(cfg, B, H)
+    tok, per_tok, per_row, _ = _chunk_specs(cfg)
     pairs = jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_pairs_bwd_kernel, cfg=cfg),
-        grid=(NT, H, B),
-        in_specs=[tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V),
-                  tok(K)],
-        out_specs=[tok(V), per_tok, tok(C), tok(C)],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32),
-                   pairs, pairs],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, cfg.intra_warps), name="kda_pairs_bwd",
-    )(k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
+    return _call(cfg, _pairs_bwd_kernel, "pairs_bwd", (NT, H, B),
+                 [tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V), tok(K)],
+                 [tok(V), per_tok, tok(C), tok(C)],
+                 [jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32),
+                  pairs, pairs],
+                 )(k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
 
 
-def _intra_bwd(cfg, q, k, G, beta, doc, mf, T, dw, dA, dL, dq0, dk0, dG0):
+def _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
     """dq, dk [B, Tp, H, K], dGamma [B, Tp, H, K] fp32, and the key blocks' parts of dbeta
     [K / BK, B, Tp, H] fp32."""
     B, Tp, H, K = q.shape
     C, BK, NT = cfg.C, cfg.BK, cfg.NT
     nk = K // BK
-    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
-    pairs = pl.BlockSpec((None, C, None, C), lambda n, j, h, b: (b, n, h, 0))
-    per_tok = pl.BlockSpec((None, C, None), lambda n, j, h, b: (b, n, h))
-    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
+    kblk, tok, per_tok, per_row = _kblock_specs(cfg, BK)
     part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
-    return pl.pallas_call(
-        functools.partial(_intra_bwd_kernel, cfg=cfg),
-        grid=(NT, nk, H, B),
-        in_specs=[kblk, kblk, kblk, per_tok, per_row, per_row, pairs, kblk, pairs, pairs, kblk, kblk, kblk],
-        out_specs=[kblk, kblk, kblk, part],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
-                   jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_compiler_params(cfg, 4), name="kda_intra_bwd",
-    )(q, k, G, beta, doc, mf, T, dw, dA, dL, dq0, dk0, dG0)
+    return _call(cfg, _intra_bwd_kernel, "intra_bwd", (NT, nk, H, B),
+                 [kblk, kblk, kblk, per_tok, per_row, tok(C), kblk, tok(C), tok(C), kblk, kblk, kblk],
+                 [kblk, kblk, kblk, part],
+                 [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
+                  jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
+                 )(q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
 
 
-def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, do, dht):
-    dh, dvn, dh0 = _state_bwd(cfg, q, k, G, w, aqk, do, mf, ml, dht)
+def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
+    dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
     dq0, dk0, dG0, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
     dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
-    dq, dk, dG, dbeta_k = _intra_bwd(cfg, q, k, G, beta, doc, mf, T, dw, dA, dL, dq0, dk0, dG0)
+    dq, dk, dG, dbeta_k = _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
     dbeta = (dbeta_v + jnp.sum(dbeta_k, axis=0)).astype(beta.dtype)
     return dq, dk, dv, dG, dbeta, dh0
 
@@ -639,9 +590,9 @@ def _kda_fwd(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
 
 
 def _kda_bwd(cfg, res, cts):
-    q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn = res
+    q, k, v, G, beta, doc, mf, ml, *saved = res
     do, dht = cts
-    dq, dk, dv, dG, dbeta, dh0 = _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn,
+    dq, dk, dv, dG, dbeta, dh0 = _backward(cfg, q, k, v, G, beta, doc, mf, ml, *saved,
                                            do.astype(v.dtype), dht.astype(jnp.float32))
     return dq, dk, dv, dG, dbeta, dh0, jnp.zeros_like(doc), jnp.zeros_like(mf), jnp.zeros_like(ml)
 
@@ -680,7 +631,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, V, 32), NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
                interpret=interpret, exact=not low_precision)
 
     g = jnp.asarray(g).astype(jnp.float32)
@@ -718,7 +669,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              segment_ids=None, interpret=None, chunk_size=64, lower_bound=-5.0, check_gate=False,
+              segment_ids=None, interpret=None, chunk_size=32, lower_bound=-5.0, check_gate=False,
               matmul_dtype=None):
     """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
 
@@ -737,7 +688,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       segment_ids: optional [B, T] ints; a change of id starts a new document with a zero state.
       interpret: run the kernels in Pallas interpret mode; None picks it on any backend but GPU (or
         from the environment variable K3_PALLAS_INTERPRET=0/1).
-      chunk_size: C in (16, 32, 64). T need not be a multiple of it.
+      chunk_size: C in (16, 32, 64); 32 is the fastest on the H200. T need not be a multiple of it.
       lower_bound: the gate's bound, in [-10, 0).
       check_gate: raise when g < lower_bound instead of clamping.
       matmul_dtype: operand and storage dtype of the large matmuls and the saved intermediates
