@@ -37,6 +37,10 @@ JAX owns when shared through DLPack), so the two count the same things.
 With --check (the default), before timing, o of every implementation is compared with the first
 implementation that ran (relative error ||a - b|| / ||b|| in fp32), and the five gradients of pallas
 vs reference, pallas vs fla and reference vs fla. Errors above 2e-2 are flagged and still timed.
+With --accuracy (the default), for T <= 4096, every implementation's o and five gradients on batch
+row 0 and the first two heads are compared with the float64 token recurrence (run on the host CPU,
+same bf16 inputs, q and k normalised in float64): the accuracy contract is that our errors are no
+larger than fla's own, recorded per quantity under case['accuracy']['within_fla'].
 Failures (OOM, compile errors, ...) are recorded per case and the run goes on. The JSON file is
 rewritten after every shape, so a run cut short keeps what it finished.
 """
@@ -62,7 +66,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.kda.ops import chunk_kda_reference, l2_normalize  # noqa: E402
+from k3.kda.ops import chunk_kda_reference, l2_normalize, recurrent_kda  # noqa: E402
 
 DEFAULT_SHAPES = "8x4096x16x128,2x16384x32x128,1x65536x32x128,1x8192x96x128"
 DEFAULT_IMPLS = "pallas,pallas_bf16,reference,fla"
@@ -79,6 +83,8 @@ MATMUL_PEAK_FLOP_S = 690e12  # measured bf16 matmul through XLA on the H200
 BANDWIDTH_PEAK_B_S = 2.9e12  # measured elementwise read+write on the H200
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+ACCURACY_MAX_T = 4096  # the float64 recurrence runs on the host CPU: rows up to this length
+ACCURACY_HEADS = 2
 MODES = ("fwd", "fwd_bwd")
 MAX_ERROR_CHARS = 800
 
@@ -520,6 +526,48 @@ def run_checks(impls, case):
     del outs, grads
 
 
+def float64_reference(inputs, do, heads):
+    """o and the five gradients of the float64 token recurrence (`k3.kda.ops.recurrent_kda`, on the CPU)
+    for batch row 0 and the first `heads` heads of the bf16 inputs, as float64 numpy arrays."""
+    cpu = jax.devices("cpu")[0]
+    host = [np.asarray(x[:1, :, :heads].astype(jnp.float32), np.float64) for x in (*inputs, do)]
+    with jax.enable_x64(True), jax.default_device(cpu):
+        q, k, v, g, beta, cot = (jnp.asarray(x) for x in host)
+
+        def forward(q, k, v, g, beta):
+            o, _ = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta)
+            return o
+
+        o, pullback = jax.vjp(forward, q, k, v, g, beta)
+        grads = pullback(cot)
+        return np.asarray(o), tuple(np.asarray(x) for x in grads)
+
+
+def run_accuracy(impls, case, inputs, do, heads):
+    """Relative error (float64 norms) of every implementation's o and gradients against the float64
+    recurrence on batch row 0, heads [0, heads); records case['accuracy'] and whether each of ours
+    is within fla's own error (the accuracy contract)."""
+    ref_o, ref_grads = float64_reference(inputs, do, heads)
+    acc = dict(rows="batch 0", heads=heads, rel_err={})
+    case["accuracy"] = acc
+    for name, impl in impls.items():
+        if "fwd_bwd" not in impl_ok_modes(case["impls"][name]):
+            continue
+        o, grads = impl.outputs("fwd_bwd")
+        errs = {}
+        for label, out, ref in zip(("o", *GRAD_NAMES), (o, *grads), (ref_o, *ref_grads)):
+            out = np.asarray(out[:1, :, :heads].astype(jnp.float32), np.float64)
+            errs[label] = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+        acc["rel_err"][name] = errs
+        print(f"  error vs float64 recurrence, {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()),
+              flush=True)
+    fla = acc["rel_err"].get("fla")
+    if fla:
+        for name, errs in acc["rel_err"].items():
+            if name != "fla":
+                acc.setdefault("within_fla", {})[name] = {k: errs[k] <= fla[k] for k in errs}
+
+
 def impl_ok_modes(rec):
     """Modes of an implementation's record that built without error."""
     return [m for m in MODES if isinstance(rec.get(m), dict) and "error" not in rec[m]]
@@ -577,6 +625,13 @@ def run_case(shape, impl_names, args, interpret):
         except Exception as exc:
             case["check_error"] = error_record(exc, "check")
             print(f"  check failed: {case['check_error']['text'][:300]}", flush=True)
+
+    if args.accuracy and T <= ACCURACY_MAX_T:
+        try:
+            run_accuracy(impls, case, inputs, do, min(H, ACCURACY_HEADS))
+        except Exception as exc:
+            case["accuracy_error"] = error_record(exc, "accuracy")
+            print(f"  accuracy failed: {case['accuracy_error']['text'][:300]}", flush=True)
 
     for name, impl in impls.items():
         rec = case["impls"][name]
@@ -677,6 +732,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20, help="timed calls (JAX impls)")
     p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE, choices=(16, 32, 64),
                    help="chunk of the pallas and reference implementations (default 64)")
+    p.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"errors of every implementation (o and gradients) against the float64 token "
+                        f"recurrence on batch row 0, {ACCURACY_HEADS} heads, for T <= {ACCURACY_MAX_T}")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare outputs and gradients before timing (default on)")
     args = p.parse_args(argv)

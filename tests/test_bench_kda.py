@@ -1,0 +1,51 @@
+"""The KDA benchmark scripts on a tiny shape on the CPU: they run, check and record what they claim."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pallas_kernels import bench_kda, bench_kda_split
+
+
+def test_bench_kda_records_errors_against_the_float64_recurrence(tmp_path):
+    out = tmp_path / "b.json"
+    bench_kda.main(["--shapes=1x70x3x32", "--impls=pallas_bf16,reference", "--iters=1", "--warmup=0",
+                    f"--out={out}"])
+    case = json.loads(out.read_text())["cases"][0]
+    acc = case["accuracy"]
+    assert acc["heads"] == 2 and set(acc["rel_err"]) == {"pallas_bf16", "reference"}
+    for errs in acc["rel_err"].values():
+        assert set(errs) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+        # bf16 inputs and outputs: errors of the order of bf16 rounding, never zero
+        assert all(1e-5 < e < 1e-2 for e in errs.values()), errs
+    assert "within_fla" not in acc  # no fla on a CPU: nothing to compare against
+    for rec in case["impls"].values():
+        assert np.isfinite(rec["fwd_bwd"]["median_ms"])
+
+
+def test_accuracy_contract_compares_each_quantity_with_fla():
+    class Fake:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def outputs(self, mode):
+            o, grads = ref
+            noisy = lambda x: x * (1 + self.scale)  # noqa: E731
+            return noisy(o), tuple(noisy(g) for g in grads)
+
+    inputs, do = bench_kda.make_inputs((1, 20, 2, 16, 16))
+    ref = bench_kda.float64_reference(inputs, do, 2)
+    ref = (np.asarray(ref[0], np.float32), tuple(np.asarray(g, np.float32) for g in ref[1]))
+    ok = {"fwd_bwd": {}}
+    case = {"impls": {"pallas_bf16": dict(ok), "fla": dict(ok)}}
+    bench_kda.run_accuracy({"pallas_bf16": Fake(1e-3), "fla": Fake(1e-2)}, case, inputs, do, 2)
+    acc = case["accuracy"]
+    assert acc["rel_err"]["pallas_bf16"]["o"] == pytest.approx(1e-3, rel=1e-2)
+    assert all(acc["within_fla"]["pallas_bf16"].values())
+
+
+def test_bench_kda_split_rejects_an_unknown_kernel_name():
+    assert bench_kda_split.parse_launch("intra_fwd=4/2,state_bwd=8") == (("intra_fwd", 4, 2), ("state_bwd", 8, 1))
+    with pytest.raises(SystemExit, match="unknown kernel 'intra'"):
+        bench_kda_split.parse_launch("intra=4/1")
