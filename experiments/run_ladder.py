@@ -174,18 +174,6 @@ def run_config(ladder, arm: str, size: str, seed: int = 0):
     return cfg
 
 
-def schedule_lr(t: int, peak: float, warmup: int, cool_start: int, end: int, min_ratio: float) -> float:
-    """Learning rate of step t (0-based) of a trajectory: linear warmup, constant, (1 - sqrt) cooldown
-    from ``cool_start`` to ``end`` (reaching ``min_ratio * peak`` after the last step)."""
-    if t < warmup:
-        return peak * (t + 1) / (warmup + 1)
-    if t < cool_start:
-        return peak
-    lo = peak * min_ratio
-    frac = min(1.0, (t - cool_start + 1) / max(end - cool_start, 1))
-    return lo + (peak - lo) * (1.0 - math.sqrt(frac))
-
-
 def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) -> list[dict]:
     """The ladder's runs, in training order: main runs size by size (all arms at a size before the
     next size), then the seed repeats, then the learning-rate sweep."""
@@ -292,6 +280,7 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
     from k3.data.pipeline import TrainIterator, ValSource
     from k3.hardware import device_peak_flops
     from k3.checkpoints import abstract_like, checkpoint_manager, restore_checkpoint, save_checkpoint
+    from k3.optim import wsd_lr
     from k3.steps import evaluate, make_run, to_host
 
     cfg = run["cfg"]
@@ -340,8 +329,7 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
 
         for t in range(start, stop):
             t1 = time.perf_counter()
-            st["lr"] = jnp.asarray(schedule_lr(t, run["lr"], warmup, cool_start, end, ladder.min_lr_ratio),
-                                   jnp.float32)
+            st["lr"] = wsd_lr(t, run["lr"], warmup, cool_start, end, ladder.min_lr_ratio)
             st, m = job.train_step(st, job.put_batch(next(train_iter)))
             pending.append((t, m["loss"]))
             save_now = save and ((t + 1) % ckpt_every == 0 or (t + 1) in keep_steps)

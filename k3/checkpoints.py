@@ -45,10 +45,23 @@ def run_identity(cfg) -> dict:
     return out
 
 
+# Keys removed from the schema that never changed what a run computed; saved configs drop them.
+RETIRED_KEYS = ("model.param_dtype",)
+
+
 def with_schema_defaults(saved: dict) -> dict:
     """A saved config (JSON dict) with the keys added to the schema since it was written, at their
-    defaults (which keep the behaviour of the code that wrote it)."""
+    defaults (which keep the behaviour of the code that wrote it), and without `RETIRED_KEYS`."""
     from k3.config import default_config
+
+    saved = json.loads(json.dumps(saved))
+    for key in RETIRED_KEYS:
+        *parents, leaf = key.split(".")
+        node = saved
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
 
     def merge(default, given):
         if not isinstance(default, dict) or not isinstance(given, dict):

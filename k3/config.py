@@ -39,8 +39,7 @@ def default_config() -> ConfigDict:
     m.attn_res_block_size = 4
     m.norm_eps = 1e-5
     m.init_std = 0.02
-    m.dtype = "float32"  # compute dtype of activations and matmuls
-    m.param_dtype = "float32"
+    m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
     m.remat = False  # rematerialise each scanned layer group in the backward pass
     m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots'
     m.scan_layers = True
@@ -148,7 +147,6 @@ _CHOICES = {
     "model.activation": ("situ", "swiglu"),
     "model.residual": ("attn_res", "plain"),
     "model.dtype": ("float32", "bfloat16"),
-    "model.param_dtype": ("float32", "bfloat16"),
     "model.kda.gate": ("bounded", "softplus"),
     "model.moe.ep_dispatch": ("auto", "padded", "ragged", "ragged_emulated"),
     "optim.name": ("muon", "adamw"),

@@ -64,6 +64,22 @@ def warmup_steps(optim_cfg, total_steps: int) -> int:
     return max(1, int(round(optim_cfg.warmup_frac * total_steps)))
 
 
+def wsd_lr(t, peak: float, warmup: int, cool_start: int, end: int, min_ratio: float):
+    """Warmup-stable-decay learning rate of step t (0-based; an int or a traced integer array).
+
+    lr(t) = peak (t + 1) / (warmup + 1) for t < warmup, so the first step already moves; then peak
+    until cool_start; then lo + (peak - lo)(1 - sqrt((t - cool_start + 1) / (end - cool_start))) with
+    lo = min_ratio peak, which reaches lo on the last step t = end - 1 and holds it after. The one
+    implementation of WSD: `learning_rate_schedule` and the scaling-law ladder (whose cooldown
+    branches start at several cool_start of one stable trajectory) both call it.
+    """
+    t = jnp.asarray(t, jnp.float32)
+    lo = peak * min_ratio
+    frac = jnp.clip((t - cool_start + 1) / max(end - cool_start, 1), 0.0, 1.0)
+    cool = lo + (peak - lo) * (1.0 - jnp.sqrt(frac))
+    return jnp.where(t < warmup, peak * (t + 1) / (warmup + 1), jnp.where(t < cool_start, peak, cool))
+
+
 def learning_rate_schedule(optim_cfg, total_steps: int, peak_lr: float | None = None) -> optax.Schedule:
     """Step -> learning rate, peaking at ``peak_lr`` (default ``optim_cfg.lr``).
 
@@ -71,7 +87,8 @@ def learning_rate_schedule(optim_cfg, total_steps: int, peak_lr: float | None = 
     moves (a ramp from exactly 0 would waste it) and the ramp meets the peak at t = W. After it:
       'cosine': cosine decay from peak at t = W to peak * min_lr_ratio at t = total_steps;
       'wsd':    constant peak until t_c = total_steps - round(decay_frac * total_steps), then
-                lr(t) = lr_min + (peak - lr_min) * (1 - sqrt((t - t_c) / (total_steps - t_c))).
+                lr(t) = lr_min + (peak - lr_min) * (1 - sqrt((t - t_c + 1) / (total_steps - t_c))),
+                reaching lr_min on the last step (`wsd_lr`).
     'external': the constant ``peak`` (no warmup): the caller scales the updates by its own rate at
                 run time (see `build_optimizer`).
     After total_steps the rate holds its final value (peak * min_lr_ratio, unless WSD has
@@ -84,30 +101,18 @@ def learning_rate_schedule(optim_cfg, total_steps: int, peak_lr: float | None = 
         raise ValueError(f"total_steps must be > 0, got {total_steps}")
     if optim_cfg.schedule == "external":
         return optax.constant_schedule(peak)
-    lr_min = peak * float(optim_cfg.min_lr_ratio)
     W = min(warmup_steps(optim_cfg, T), T)
+    if optim_cfg.schedule == "wsd":
+        t_c = max(T - int(round(optim_cfg.decay_frac * T)), W)
+        min_ratio = float(optim_cfg.min_lr_ratio)
+        return lambda count: wsd_lr(count, peak, W, t_c, T, min_ratio)
+    if optim_cfg.schedule != "cosine":
+        raise ValueError(f"unknown schedule {optim_cfg.schedule!r}; expected 'cosine' or 'wsd'")
     # (first step, schedule) per phase; optax.join_schedules feeds each phase the steps since its start.
     phases = []
     if W > 0:
         phases.append((0, optax.linear_schedule(peak / (W + 1), peak, transition_steps=W)))
-    if optim_cfg.schedule == "cosine":
-        phases.append((W, optax.cosine_decay_schedule(peak, decay_steps=max(T - W, 1),
-                                                      alpha=optim_cfg.min_lr_ratio)))
-    elif optim_cfg.schedule == "wsd":
-        t_c = max(T - int(round(optim_cfg.decay_frac * T)), W)
-        if t_c > W:
-            phases.append((W, optax.constant_schedule(peak)))
-        if T > t_c:
-            span = T - t_c
-
-            def sqrt_cooldown(count):  # count = t - t_c
-                frac = jnp.clip(jnp.asarray(count, jnp.float32) / span, 0.0, 1.0)
-                return lr_min + (peak - lr_min) * (1.0 - jnp.sqrt(frac))
-
-            phases.append((t_c, sqrt_cooldown))
-        # (W == T leaves the warmup alone: optax's linear schedule then holds the peak.)
-    else:
-        raise ValueError(f"unknown schedule {optim_cfg.schedule!r}; expected 'cosine' or 'wsd'")
+    phases.append((W, optax.cosine_decay_schedule(peak, decay_steps=max(T - W, 1), alpha=optim_cfg.min_lr_ratio)))
     if len(phases) == 1:
         return phases[0][1]
     return optax.join_schedules([fn for _, fn in phases], [start for start, _ in phases[1:]])

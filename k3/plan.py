@@ -15,7 +15,7 @@ seconds.
 Per-device bytes (1 GB = 1e9 bytes):
   parameters   sum over parameters of  bytes(p) / S(p),  S(p) = product of the mesh axes that
                `Sharder.spec` lets shard p (divisibility-aware); the dtype is the one the model
-               really creates (`k3.nn.param` makes float32 whatever ``model.param_dtype`` says).
+               really creates (`k3.nn.param` makes float32 parameters).
   optimizer    the leaves of ``jax.eval_shape(tx.init)`` for the real `k3.optim.build_optimizer`, each
                sharded like the parameter it mirrors: Muon matrices 1 buffer (momentum), AdamW leaves 2
                (mu, nu), in the parameter dtype; optax keeps no separate master copy.
@@ -852,9 +852,6 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     comm_s = sum(r["seconds"] for r in comm)
     step_overlap, step_serial = max(compute_s, comm_s), compute_s + comm_s
 
-    if m.param_dtype != "float32" and all(p.itemsize == 4 for p in mdl.infos):
-        notes.append(f"model.param_dtype={m.param_dtype} is not applied: k3.nn.param creates float32 "
-                     "parameters, and optimizer state and gradients follow them")
     if lay.P > 1 and (m.moe.capacity_factor if capacity_factor is None else capacity_factor) <= 0:
         what = ("pads every all-to-all to" if lay.dispatch == "padded"
                 else "sizes every all-to-all's receive buffer for")

@@ -19,7 +19,7 @@ Mesh axes (the config's ``mesh`` section; sizes, -1 fills the rest):
   tensor   attention heads, MLP and expert hidden width, vocabulary
   expert   routed experts (tokens travel to them by all-to-all, `k3.moe.expert_parallel`); the batch is
            split over it too, so dense layers see it as data parallelism
-  context  the sequence (`k3.context_parallel`: KDA state pairs, MLA gathered keys/values)
+  context  the sequence (`k3.kda.parallel`: KDA state pairs; `k3.mla.parallel`: MLA gathered keys/values)
 """
 
 from __future__ import annotations
@@ -161,6 +161,32 @@ def spec_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _axes_size(mesh, axes):
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _check_divisible(what, size, mesh, axes):
+    n = _axes_size(mesh, axes)
+    if size % n:
+        raise ValueError(f"{what} = {size} is not divisible by the size {n} of mesh axes {tuple(axes)}")
+
+
+def context_parallel_specs(mesh, B, T, H, batch_axes, head_axis, context_axis):
+    """(batch spec entry, head spec entry) after checking that B, T and H divide over their axes.
+
+    Shared by the context-parallel shard_map wrappers of KDA and MLA (`k3.kda.parallel`,
+    `k3.mla.parallel`), which split [B, T, H, ...] activations over (batch_axes, context_axis, head_axis).
+    """
+    batch_axes = tuple(batch_axes)
+    if context_axis not in mesh.shape:
+        raise ValueError(f"context axis {context_axis!r} is not a mesh axis {tuple(mesh.axis_names)}")
+    _check_divisible("sequence length T", T, mesh, (context_axis,))
+    _check_divisible("batch size B", B, mesh, batch_axes)
+    head_axes = () if head_axis is None else (head_axis,)
+    _check_divisible("number of heads H", H, mesh, head_axes)
+    return (batch_axes or None), head_axis
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], sharder: Sharder | None) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Context parallelism (k3.context_parallel) against the unsplit KDA core and MLA attention.
+"""Context parallelism (k3.kda.parallel, k3.mla.parallel) against the unsplit KDA core and MLA attention.
 
 Eight CPU devices come from conftest. Shapes are shared between cases so that the unsplit
 references compile once.
@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3.context_parallel import kda_core_sharded, mla_attention_sharded
+from k3.kda.parallel import kda_core_sharded
+from k3.mla.parallel import mla_attention_sharded
 from k3.mla.layer import attention
 from k3.kda.ops import kda_core, l2_normalize
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from experiments import run_ladder as rl
 from k3.config import default_config
+from k3.optim import wsd_lr
 from tests.conftest import tiny_model_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ def _points(out):
 
 def test_schedule_warmup_stable_sqrt_cooldown():
     peak, W, c, E = 2.0, 4, 10, 20
-    lrs = [rl.schedule_lr(t, peak, W, c, E, 0.0) for t in range(E)]
+    lrs = [float(wsd_lr(t, peak, W, c, E, 0.0)) for t in range(E)]
     np.testing.assert_allclose(lrs[:W], [peak * (t + 1) / (W + 1) for t in range(W)])
     assert lrs[W:c] == [peak] * (c - W)
     for t in range(c, E):
@@ -46,8 +47,8 @@ def test_schedule_warmup_stable_sqrt_cooldown():
     assert all(a >= b for a, b in zip(lrs[c - 1:], lrs[c:]))
     # A branch shares the stable phase of the main trajectory up to its start.
     S = 100
-    main = [rl.schedule_lr(t, 1.0, 2, 80, S, 0.1) for t in range(S)]
-    branch = [rl.schedule_lr(t, 1.0, 2, 40, 50, 0.1) for t in range(50)]
+    main = [float(wsd_lr(t, 1.0, 2, 80, S, 0.1)) for t in range(S)]
+    branch = [float(wsd_lr(t, 1.0, 2, 40, 50, 0.1)) for t in range(50)]
     assert main[:40] == branch[:40]
     assert branch[-1] == pytest.approx(0.1)
 

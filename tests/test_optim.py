@@ -91,10 +91,11 @@ def test_wsd_schedule_stable_then_sqrt_cooldown():
     o.update(dict(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, decay_frac=0.2, schedule="wsd"))
     s = optim.learning_rate_schedule(o, 100)
     np.testing.assert_allclose(float(s(0)), 1 / 11, rtol=1e-6)
-    np.testing.assert_allclose([float(s(t)) for t in range(10, 81)], 1.0, rtol=1e-6)  # flat middle
-    for t in (84, 90, 95, 99):
-        want = 0.1 + 0.9 * (1 - math.sqrt((t - 80) / 20))
+    np.testing.assert_allclose([float(s(t)) for t in range(10, 80)], 1.0, rtol=1e-6)  # flat middle
+    for t in (80, 84, 90, 95, 99):
+        want = 0.1 + 0.9 * (1 - math.sqrt((t - 80 + 1) / 20))
         np.testing.assert_allclose(float(s(t)), want, rtol=1e-5)
+    np.testing.assert_allclose(float(s(99)), 0.1, rtol=1e-5)  # the last step runs at the minimum
     np.testing.assert_allclose(float(s(100)), 0.1, rtol=1e-5)
     np.testing.assert_allclose(float(s(150)), 0.1, rtol=1e-5)
 

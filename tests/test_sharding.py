@@ -233,6 +233,8 @@ def test_workdir_of_an_older_schema_is_still_this_run(tmp_path):
     write_run_file(cfg, tmp_path)
     saved = json.loads((tmp_path / "run.json").read_text())
     del saved["identity"]["model"]["moe"]["capacity_factor"]
+    saved["identity"]["model"]["param_dtype"] = "float32"  # a retired key that never had an effect
+    saved["config"]["model"]["param_dtype"] = "float32"
     (tmp_path / "run.json").write_text(json.dumps(saved))
     (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # the identity guards a run's checkpoints
     assert check_workdir(cfg, tmp_path) is True  # accepted: the same run

@@ -20,6 +20,7 @@ from flax import nnx
 
 from k3.nn import cast, normal, ones, param, rms_norm, zeros
 from k3.kda.ops import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
+from k3.kda.parallel import kda_core_sharded
 from k3.sharding import Sharder, spec_axes
 
 
@@ -132,8 +133,6 @@ class KDA(nnx.Module):
         if sh is not None and (sh.size("context") > 1 or self.impl == "pallas"):
             # The sequence is split (state pairs composed across devices), or the Pallas kernel
             # needs its per-device blocks: run the core per device under shard_map.
-            from k3.context_parallel import kda_core_sharded
-
             B, T, H, _ = q.shape
             o, state = kda_core_sharded(
                 sh.mesh, q, k, v, g, beta, segment_ids_BT, batch_axes=spec_axes(sh.spec(("batch",), (B,))[0]),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.backends import Table
+from k3.mla.parallel import mla_attention_sharded
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder, spec_axes
 
@@ -216,8 +217,6 @@ class MLA(nnx.Module):
         sh = self.sharder
         if sh is not None and sh.size("context") > 1:
             # The sequence is split: each device's queries attend to the gathered keys and values.
-            from k3.context_parallel import mla_attention_sharded
-
             B, T, H, _ = q.shape
             o = mla_attention_sharded(sh.mesh, q, k, v, segment_ids_BT, self.scale,
                                       batch_axes=spec_axes(sh.spec(("batch",), (B,))[0]),
