@@ -123,6 +123,7 @@ def default_config() -> ConfigDict:
     d.tokens_dtype = "uint16"
     d.tokenizer = "bpe"  # 'bpe' (trained locally, cached) or 'byte'
     d.tokenizer_path = ""  # '' = cache under the workdir
+    d.tokenizer_train_bytes = 4 * 2**20  # text the BPE trainer reads, sampled across the training split
     d.seq_len = 128
     d.batch_size = 8
     d.val_fraction = 0.02
@@ -209,6 +210,7 @@ _RANGES = {
     "optim.b1": _DECAY, "optim.b2": _DECAY, "optim.eps": _POS, "optim.momentum": _DECAY,
     "optim.clip_norm": _NONNEG, "optim.grad_accum": _POS, "optim.qk_clip_tau": _POS,
     "data.seq_len": _POS, "data.batch_size": _POS, "data.val_fraction": (0, False, 1, True), "data.max_docs": _NONNEG,
+    "data.tokenizer_train_bytes": _POS,
     "train.log_every": _POS, "train.eval_every": _POS, "train.eval_batches": _POS, "train.ckpt_every": _POS,
     "train.keep_ckpts": _POS, "train.keep_period": _NONNEG, "train.peak_flops": _NONNEG,
 }

@@ -297,6 +297,18 @@ def test_bpe_with_too_little_text_errors():
         load_or_train_tokenizer(make_cfg(vocab=2048), None, iter(["tiny"]))
 
 
+def test_bpe_reads_only_tokenizer_train_bytes():
+    """data.tokenizer_train_bytes caps the text the trainer reads: a vocabulary that the whole text
+    reaches is out of reach of a small cap, and the error names how much text was read."""
+    text = open(os.__file__, encoding="utf-8").read()
+    capped = make_cfg(vocab=1024)
+    capped.data.tokenizer_train_bytes = 3000
+    with pytest.raises(DataError, match="BPE training on 3000 characters reached only"):
+        load_or_train_tokenizer(capped, None, iter([text]))
+    capped.data.tokenizer_train_bytes = 4 * 2**20
+    assert load_or_train_tokenizer(capped, None, iter([text])).vocab_size == 1024
+
+
 def test_byte_tokenizer():
     tok = load_or_train_tokenizer(make_cfg(tokenizer="byte", vocab=300), None, None)
     assert isinstance(tok, ByteTokenizer)

@@ -2,7 +2,8 @@
 
 * :class:`BPETokenizer`: byte-level BPE (GPT-2 style pre-tokenisation, no normaliser, so every
   string round-trips exactly), trained with the ``tokenizers`` library on the TRAIN documents only and
-  cached as a JSON file. Training reads at most :data:`TRAIN_TEXT_BYTES` (4 MiB) of text: on the
+  cached as a JSON file. Training reads at most ``data.tokenizer_train_bytes`` (default
+  :data:`TRAIN_TEXT_BYTES`, 4 MiB) of text, sampled across the training split: on the
   default corpus that takes about a second and gives nearly the same merges as the full text.
 * :class:`ByteTokenizer`: ids 0..255 are the UTF-8 bytes, 256 is EOS, 257 is PAD.
 * :class:`IdTokenizer`: for pre-tokenised data without a tokenizer file; it only knows the vocab size.
@@ -265,7 +266,7 @@ def load_or_train_tokenizer(cfg, workdir: str | os.PathLike | None, documents: I
       cfg: the full config (uses ``data.tokenizer``, ``data.tokenizer_path``, ``model.vocab_size``).
       workdir: run directory; the BPE cache defaults to ``<workdir>/tokenizer.json``.
       documents: TRAIN-split texts (str), consumed lazily, only when training is needed and only up to
-        :data:`TRAIN_TEXT_BYTES`. None means training is impossible (pre-tokenised data): then a
+        ``data.tokenizer_train_bytes`` (default :data:`TRAIN_TEXT_BYTES`). None means training is impossible (pre-tokenised data): then a
         missing cache file gives an :class:`IdTokenizer`, or an error if ``data.tokenizer_path`` was set.
     Returns:
       A :class:`Tokenizer`; ``BPETokenizer.trained`` tells whether it was trained by this call.
@@ -286,7 +287,7 @@ def load_or_train_tokenizer(cfg, workdir: str | os.PathLike | None, documents: I
         if cfg.data.tokenizer_path:
             raise DataError(f"tokenizer file {str(path)!r} (data.tokenizer_path) does not exist")
         return IdTokenizer(vocab_size)
-    tok = train_bpe(documents, vocab_size)
+    tok = train_bpe(documents, vocab_size, int(cfg.data.tokenizer_train_bytes))
     if path is not None:
         tok.save(path)
     return tok
