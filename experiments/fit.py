@@ -16,7 +16,8 @@ Which points feed which fit:
     (``is_final``, seed 0, ``lr_mult`` 1);
   * Chinchilla's ``L(N, D)``: every seed-0, ``lr_mult``-1 point, finals and cooldown branches, with
     ``N = C / (6 D)`` so that ``C = 6 N D`` holds under either convention;
-  * the loss noise sigma_L of the bootstrap: the pooled standard deviation of repeated-seed finals.
+  * the loss noise sigma_L of the bootstrap: the pooled standard deviation of the finals of repeated
+    seeds and same-seed repeats (the device's run-to-run noise).
 
 Compute multiplier of an arm over the baseline at compute C: ``M(C) = C_b / C``, where ``C_b`` is the
 compute at which the baseline's fitted law reaches the arm's fitted loss at C. ``M = 2`` means the arm
@@ -672,8 +673,9 @@ def has_finite_loss(rec: dict, warn: bool = False) -> bool:
 
 
 def is_seed0(rec: dict) -> bool:
-    """Whether a record is of seed 0, the seed every fit uses."""
-    return int(rec.get("seed", 0)) == 0
+    """Whether a record is of seed 0, the seed every fit uses, and not a same-seed repeat (repeats
+    only feed the noise estimate)."""
+    return int(rec.get("seed", 0)) == 0 and int(rec.get("repeat", 0)) == 0
 
 
 @dataclass
@@ -763,24 +765,36 @@ def check_arms(arms: Mapping[str, ArmPoints], baseline: str) -> None:
 
 
 def estimate_sigma(records: Sequence[dict]) -> tuple[float | None, dict]:
-    """Pooled std (ddof=1, nats) of final val_loss over seeds, per (arm, size) with >= 2 seeds at lr_mult 1.
+    """Pooled std (ddof=1, nats) of final val_loss per (arm, size) with >= 2 runs at lr_mult 1.
 
-    Returns (sigma or None when no group has repeats, {'n_groups', 'n_runs'}).
+    A group's runs are its seeds and its same-seed repeats (the runner's 'repeats' job), so the
+    estimate carries both the initialisation noise and the run-to-run noise of the device (on a GPU
+    the same seed need not give the same loss). Returns (sigma or None when no group has two runs,
+    {'n_groups', 'n_runs', 'n_repeat_runs', 'repeat_sigma'}); repeat_sigma is the pooled std over the
+    same-seed repeats alone (None without any).
     """
     groups = {}
     for r in records:
         if r.get("is_final") and is_default_lr(r) and r.get("val_loss") is not None and has_finite_loss(r):
-            groups.setdefault((r.get("arm"), size_label(r)), {})[int(r.get("seed", 0))] = float(r["val_loss"])
-    ss, dof, n_groups, n_runs = 0.0, 0, 0, 0
-    for by_seed in groups.values():
-        if len(by_seed) >= 2:
-            v = np.array(list(by_seed.values()))
-            ss += float(np.sum((v - v.mean()) ** 2))
-            dof += len(v) - 1
-            n_groups += 1
-            n_runs += len(v)
-    info = {"n_groups": n_groups, "n_runs": n_runs}
-    return (math.sqrt(ss / dof) if dof else None), info
+            key = (int(r.get("seed", 0)), int(r.get("repeat", 0)))
+            groups.setdefault((r.get("arm"), size_label(r)), {})[key] = float(r["val_loss"])
+
+    def pooled(value_lists):
+        ss, dof = 0.0, 0
+        for v in value_lists:
+            if len(v) >= 2:
+                v = np.asarray(v)
+                ss += float(np.sum((v - v.mean()) ** 2))
+                dof += len(v) - 1
+        return (math.sqrt(ss / dof) if dof else None), dof
+
+    multi = [g for g in groups.values() if len(g) >= 2]
+    sigma, _ = pooled([list(g.values()) for g in multi])
+    same_seed = [[x for (sd, _), x in g.items() if sd == seed] for g in groups.values() for seed in {k[0] for k in g}]
+    repeat_sigma, _ = pooled(same_seed)
+    info = {"n_groups": len(multi), "n_runs": sum(len(g) for g in multi),
+            "n_repeat_runs": sum(1 for g in groups.values() for (_, rep) in g if rep > 0), "repeat_sigma": repeat_sigma}
+    return sigma, info
 
 
 def resolve_sigma(records: Sequence[dict], sigma: float = 0.0, default_sigma: float = DEFAULT_SIGMA) -> dict:
@@ -795,8 +809,9 @@ def resolve_sigma(records: Sequence[dict], sigma: float = 0.0, default_sigma: fl
     if est is None:
         return {"value": float(default_sigma),
                 "source": f"default {default_sigma:g} nats: no size was run with more than one seed", **info}
-    return {"value": est, "source": f"pooled std of final val_loss over seeds: {info['n_groups']} (arm, size) "
-                                   f"groups, {info['n_runs']} runs", **info}
+    return {"value": est, "source": f"pooled std of final val_loss over seeds and same-seed repeats: "
+                                   f"{info['n_groups']} (arm, size) groups, {info['n_runs']} runs "
+                                   f"({info['n_repeat_runs']} repeats)", **info}
 
 
 # --------------------------------------------------------------------------------------------------

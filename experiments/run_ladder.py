@@ -1,7 +1,7 @@
 """Scaling-ladder runner: trains every (arm, size) of a ladder with WSD cooldown branches.
 
     python -m experiments.run_ladder --ladder=experiments/configs/ladder_h200.py --out=DIR \
-        [--arms=k2,k3] [--sizes=64x4,96x4] [--jobs=main,seeds,sweep] [--deadline_s=540] [--dry_run]
+        [--arms=k2,k3] [--sizes=64x4,96x4] [--jobs=main,seeds,repeats,sweep] [--deadline_s=540] [--dry_run]
 
 A ladder file (see `default_ladder` for every knob) names the arms (`experiments.configs.ladder`),
 the sizes (``d_model x n_layers``), the data and the one learning-rate rule shared by all arms.
@@ -23,8 +23,10 @@ One compiled step per (arm, size): the learning rate is a run-time scalar (``opt
 compilation cache, ``--compile_cache``, carries it across processes).
 
 Jobs: 'main' (seed 0, the rule's learning rate, with branches), 'seeds' (``extra_seeds`` at the
-``seed_sizes`` smallest sizes: the noise estimate), 'sweep' (``lr_sweep`` multipliers at the
-``sweep_sizes`` smallest sizes, per arm: a check of the shared rule).
+``seed_sizes`` smallest sizes: the noise estimate), 'repeats' (``repeats`` more runs of seed 0 at
+those sizes: the device's run-to-run noise, which the noise estimate pools with the seeds'; on a CPU
+they repeat the loss exactly), 'sweep' (``lr_sweep`` multipliers at the ``sweep_sizes`` smallest
+sizes, per arm: a check of the shared rule).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def default_ladder() -> ConfigDict:
     c.branches = "0.4:0.5"  # 'b:e,...': cooldown branches off the stable phase, fractions of D
     c.extra_seeds = "1,2"
     c.seed_sizes = 2
+    c.repeats = 1  # same-seed repeats of seed 0 at the seed_sizes smallest sizes ('repeats' job)
     c.lr_sweep = "0.5,2.0"
     c.sweep_sizes = 2
     c.data_seed = 0  # one data order for every run (seeds change the initialisation only)
@@ -174,9 +177,12 @@ def run_config(ladder, arm: str, size: str, seed: int = 0):
     return cfg
 
 
-def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) -> list[dict]:
+JOBS = ("main", "seeds", "repeats", "sweep")
+
+
+def plan_runs(ladder, arms=None, sizes=None, jobs=JOBS) -> list[dict]:
     """The ladder's runs, in training order: main runs size by size (all arms at a size before the
-    next size), then the seed repeats, then the learning-rate sweep."""
+    next size), then the seed repeats, the same-seed repeats, then the learning-rate sweep."""
     from k3.params import count_params, flops_per_token
 
     all_arms = [a.strip() for a in ladder.arms.split(",") if a.strip()]
@@ -189,8 +195,8 @@ def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) ->
             if x not in known:
                 raise LadderError(f"--{name}s: {x!r} is not in the ladder's {name}s ({', '.join(known)})")
     for j in jobs:
-        if j not in ("main", "seeds", "sweep"):
-            raise LadderError(f"--jobs: unknown job {j!r}; expected main, seeds, sweep")
+        if j not in JOBS:
+            raise LadderError(f"--jobs: unknown job {j!r}; expected {', '.join(JOBS)}")
     arms = [a for a in all_arms if not arms or a in arms]
     size_order = sorted(all_sizes, key=lambda s: parse_size(s))
     branches = parse_branches(ladder.branches)
@@ -198,7 +204,7 @@ def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) ->
         raise LadderError("every branch must start before the main run's cooldown (start < 1 - decay_frac)")
     tokens_per_step = ladder.seq_len * ladder.batch_size
 
-    def make(arm, size, seed, lr_mult, with_branches):
+    def make(arm, size, seed, lr_mult, with_branches, repeat=0):
         cfg = run_config(ladder, arm, size, seed)
         counts = count_params(cfg.model)
         n = counts["non_embedding_active_params"]
@@ -206,8 +212,9 @@ def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) ->
         tokens = steps * tokens_per_step
         lr = float(ladder.lr_coef * (6.0 * n * tokens) ** ladder.lr_exp)
         lr_tag = f"{lr_mult:g}".replace(".", "p")
-        return {"run_id": f"{arm}-{size}-s{seed}-lr{lr_tag}", "arm": arm, "size": size, "seed": seed,
-                "lr_mult": lr_mult, "lr": lr * lr_mult, "steps": steps, "tokens": tokens, "counts": counts,
+        rep_tag = f"-r{repeat}" if repeat else ""
+        return {"run_id": f"{arm}-{size}-s{seed}-lr{lr_tag}{rep_tag}", "arm": arm, "size": size, "seed": seed,
+                "repeat": repeat, "lr_mult": lr_mult, "lr": lr * lr_mult, "steps": steps, "tokens": tokens, "counts": counts,
                 "flops_per_token": flops_per_token(cfg.model, ladder.seq_len, counts),
                 "branches": branches if with_branches else [], "cfg": cfg}
 
@@ -218,6 +225,9 @@ def plan_runs(ladder, arms=None, sizes=None, jobs=("main", "seeds", "sweep")) ->
     if "seeds" in jobs:
         seeds = [int(x) for x in _floats(ladder.extra_seeds, "extra_seeds")]
         runs += [make(a, s, sd, 1.0, False) for s in small if not sizes or s in sizes for a in arms for sd in seeds]
+    if "repeats" in jobs:
+        runs += [make(a, s, 0, 1.0, False, rep) for s in small if not sizes or s in sizes for a in arms
+                 for rep in range(1, int(ladder.repeats) + 1)]
     if "sweep" in jobs:
         mults = _floats(ladder.lr_sweep, "lr_sweep")
         runs += [make(a, s, 0, m, False) for s in size_order[:int(ladder.sweep_sizes)]
@@ -354,7 +364,7 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
         tps = ladder.seq_len * ladder.batch_size * timing[1] / timing[0] if timing[1] > 2 else None
         peak = device_peak_flops()
         rec = {"arm": run["arm"], "size": run["size"], "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
-               "seed": run["seed"], "lr_mult": run["lr_mult"], "lr": run["lr"], "run_id": run["run_id"],
+               "seed": run["seed"], "repeat": run["repeat"], "lr_mult": run["lr_mult"], "lr": run["lr"], "run_id": run["run_id"],
                "point": name, "is_final": is_final, "tokens": tokens_done, "steps": tokens_done // (
                    ladder.seq_len * ladder.batch_size),
                "tokens_per_param": tokens_done / n, "epochs": tokens_done / data.train.num_tokens,
@@ -472,7 +482,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="results directory (points.jsonl, runs/, data/)")
     p.add_argument("--arms", default="", help="comma-separated subset of the ladder's arms")
     p.add_argument("--sizes", default="", help="comma-separated subset of the ladder's sizes")
-    p.add_argument("--jobs", default="main,seeds,sweep")
+    p.add_argument("--jobs", default=",".join(JOBS))
     p.add_argument("--set", default="", help="ladder overrides 'key=value,...' (e.g. tokens_per_param=10)")
     p.add_argument("--deadline_s", type=float, default=0, help="start no new run after this many seconds")
     p.add_argument("--compile_cache", default="", help="persistent XLA compilation cache directory")

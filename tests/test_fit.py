@@ -296,7 +296,22 @@ def test_load_points_dedupes_keeping_last(tmp_path):
     # 2 arms x 4 sizes x (final + branch) + 3 extra seeds + 5 lr-sweep runs (one diverged)
     assert len(recs) == 16 + 3 + 5
     sigma, info = F.estimate_sigma(recs)
-    assert sigma == pytest.approx(POOLED_SIGMA, rel=1e-9) and info == {"n_groups": 2, "n_runs": 5}
+    assert sigma == pytest.approx(POOLED_SIGMA, rel=1e-9)
+    assert info == {"n_groups": 2, "n_runs": 5, "n_repeat_runs": 0, "repeat_sigma": None}
+
+
+def test_noise_estimate_pools_same_seed_repeats_which_no_fit_uses():
+    """A same-seed repeat (the runner's 'repeats' job) enters sigma_L with the seeds, never a fit."""
+    base = dict(arm="k2", size="64x4", d_model=64, n_layers=4, lr_mult=1.0, is_final=True, point="final")
+    recs = [dict(base, seed=0, repeat=0, val_loss=2.00, run_id="a"), dict(base, seed=1, repeat=0, val_loss=2.03, run_id="b"),
+            dict(base, seed=0, repeat=1, val_loss=2.01, run_id="c"), dict(base, seed=0, repeat=2, val_loss=1.99, run_id="d")]
+    sigma, info = F.estimate_sigma(recs)
+    v = np.array([2.00, 2.03, 2.01, 1.99])
+    assert sigma == pytest.approx(float(np.std(v, ddof=1)), rel=1e-9)
+    assert info["n_runs"] == 4 and info["n_repeat_runs"] == 2
+    assert info["repeat_sigma"] == pytest.approx(float(np.std([2.00, 2.01, 1.99], ddof=1)), rel=1e-9)
+    assert [r["run_id"] for r in recs if F.is_seed0(r)] == ["a"]
+    assert "same-seed repeats" in F.resolve_sigma(recs)["source"]
 
 
 @pytest.mark.slow

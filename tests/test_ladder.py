@@ -59,14 +59,18 @@ def test_plan_micro_ladder_order_ids_and_tokens():
     ids = [r["run_id"] for r in runs]
     assert ids[:6] == ["k2-32x2-s0-lr1", "k3-32x2-s0-lr1", "k2-64x2-s0-lr1", "k3-64x2-s0-lr1",
                        "k2-96x2-s0-lr1", "k3-96x2-s0-lr1"]
-    assert ids[6:] == ["k2-32x2-s1-lr1", "k3-32x2-s1-lr1", "k2-32x2-s0-lr0p5", "k3-32x2-s0-lr0p5"]
+    assert ids[6:] == ["k2-32x2-s1-lr1", "k3-32x2-s1-lr1", "k2-32x2-s0-lr1-r1", "k3-32x2-s0-lr1-r1",
+                       "k2-32x2-s0-lr0p5", "k3-32x2-s0-lr0p5"]
+    # A same-seed repeat is the main run's config again (its spread is the device's run-to-run noise).
+    assert runs[8]["cfg"].to_json() == runs[0]["cfg"].to_json() and runs[8]["repeat"] == 1
     tps = lad.seq_len * lad.batch_size
     for r in runs:
         n = r["counts"]["non_embedding_active_params"]
         assert r["steps"] == max(lad.min_steps, round(lad.tokens_per_param * n / tps))
         assert r["tokens"] == r["steps"] * tps
         assert r["cfg"].optim.schedule == "external"
-        assert rl.point_names(r) == (["branch_0.5", "final"] if r["seed"] == 0 and r["lr_mult"] == 1 else ["final"])
+        main_run = r["seed"] == 0 and r["lr_mult"] == 1 and not r["repeat"]
+        assert rl.point_names(r) == (["branch_0.5", "final"] if main_run else ["final"])
     # One rule for every arm: lr = coef * (6 N D)^exp, times the sweep multiplier.
     r = runs[1]
     n = r["counts"]["non_embedding_active_params"]
@@ -139,7 +143,7 @@ def test_done_points_skip_and_merge(tmp_path, capsys):
                                            + '{"run_id": "cut')  # a line cut by a kill is ignored
     assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--dry_run"]) == 0
     text = capsys.readouterr().out
-    assert "10 runs, 1 done, 9 to train" in text
+    assert "12 runs, 1 done, 11 to train" in text
     assert "*branch_0.5,*final" in text
 
 
@@ -216,12 +220,15 @@ def test_micro_ladder_end_to_end_fit_and_plot(tmp_path):
     p = _cli(f"--ladder={MICRO}", f"--out={out}")
     assert p.returncode == 0, p.stderr[-2000:]
     pts = _points(out)
-    assert len(pts) == 6 * 2 + 4  # 6 main runs x (branch, final) + 2 seed runs + 2 sweep runs
+    assert len(pts) == 6 * 2 + 6  # 6 main runs x (branch, final) + 2 seed runs + 2 same-seed repeats + 2 sweep runs
     for r in pts.values():
         assert r["flops_6N"] == pytest.approx(6 * r["params_non_embedding_active"] * r["tokens"])
         assert r["flops_full"] > r["flops_6N"]
         assert math.isfinite(r["val_loss"]) and r["val_bits_per_byte"] > 0
         assert len(r["config_hash"]) == 12 and r["wall_s"] > 0
+    for arm in ("k2", "k3"):  # on the CPU a same-seed repeat reproduces its main run's loss exactly
+        main_loss = pts[(f"{arm}-32x2-s0-lr1", "final")]["val_loss"]
+        assert pts[(f"{arm}-32x2-s0-lr1-r1", "final")]["val_loss"] == main_loss
     again = _cli(f"--ladder={MICRO}", f"--out={out}")
     assert "0 to train" in again.stdout
     fit = subprocess.run([sys.executable, "-m", "experiments.fit", f"--results={out}", "--bootstrap=50"], cwd=ROOT,
