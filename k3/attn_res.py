@@ -9,6 +9,10 @@ and FFN outputs) joins the bank when the next block starts.
 
 The stream is a pytree of fixed shapes (the bank is a buffer of ``n_slots`` with a count), so a
 scanned layer stack can carry it and block boundaries can depend on a traced layer index.
+
+What the depth mixes cost is here too: their forward FLOPs (`attn_res_flops`, summed by
+`k3.params`), and the bytes a layer's mixes keep for the backward and a layer boundary saves
+(`attn_res_bytes`, `stream_carry_bytes`, summed by `k3.plan`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from flax import nnx
 
 from k3.nn import ones, param, zeros
 
+# Bytes per candidate element [M, N, D] of one depth mix (fp32 candidates and their squares),
+# measured as the `k3.plan` docstring describes.
+ATTN_RES_BYTES = 12.0
+
 
 class AttnResMix(nnx.Module):
     """One depth mix: pseudo-query [D] (init 0) and key-norm gain [D] (init 1)."""
@@ -28,21 +36,79 @@ class AttnResMix(nnx.Module):
         self.query = param(rngs, zeros, (d_model,), ("embed",))
         self.norm = param(rngs, ones, (d_model,), ("embed",))
 
-    def __call__(self, cands_MBTD: jax.Array, valid_M: jax.Array) -> jax.Array:
-        """Mix of the valid candidates. cands: [M, B, T, D]; valid: [M] bool -> [B, T, D]."""
+    def __call__(self, cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array | None = None,
+                 extra_valid=None) -> jax.Array:
+        """Mix of the valid candidates -> [B, T, D].
+
+        cands: [M, B, T, D]; valid: [M] bool; extra: an optional further candidate [B, T, D] with its
+        validity (a bool scalar). Passing the running partial sum as ``extra`` instead of
+        concatenating it to the bank keeps the [M + 1, B, T, D] copy out of every sublayer.
+        """
         with jax.named_scope("attn_res"):
-            v = cands_MBTD.astype(jnp.float32)
-            rstd = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + self.eps)  # [M, B, T]
             w = (self.query[...] * self.norm[...]).astype(jnp.float32)
-            logits = jnp.einsum("mbtd,d->mbt", v, w) * rstd
-            logits = jnp.where(valid_M[:, None, None], logits, -jnp.inf)
-            p = jax.nn.softmax(logits, axis=0)
-            return jnp.einsum("mbt,mbtd->btd", p, v).astype(cands_MBTD.dtype)
+
+            def logits(v):  # [..., B, T, D] fp32 -> [..., B, T]
+                rstd = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + self.eps)
+                return jnp.einsum("...btd,d->...bt", v, w) * rstd
+
+            v = cands_MBTD.astype(jnp.float32)
+            lg = jnp.where(valid_M[:, None, None], logits(v), -jnp.inf)  # [M, B, T]
+            if extra_BTD is None:
+                p = jax.nn.softmax(lg, axis=0)
+                return jnp.einsum("mbt,mbtd->btd", p, v).astype(cands_MBTD.dtype)
+            ve = extra_BTD.astype(jnp.float32)
+            le = jnp.where(extra_valid, logits(ve), -jnp.inf)  # [B, T]
+            top = jnp.maximum(jnp.max(lg, axis=0), le)
+            top = jnp.where(jnp.isfinite(top), top, 0.0)
+            e, ee = jnp.exp(lg - top), jnp.exp(le - top)
+            out = jnp.einsum("mbt,mbtd->btd", e, v) + ee[..., None] * ve
+            return (out / (jnp.sum(e, axis=0) + ee)[..., None]).astype(cands_MBTD.dtype)
 
 
 def n_bank_slots(n_layers: int, block_size: int) -> int:
     """Bank capacity: the embedding plus every block that can complete before the output mix."""
     return 1 + -(-n_layers // block_size)
+
+
+def attn_res_candidates(n_layers: int, block_size: int) -> int:
+    """Total number of depth-mix candidates over all mixes (2 per layer + the output mix)."""
+    total, completed = 0, 0
+    for layer in range(n_layers):
+        # Attention mix: embedding, completed blocks, and the partial (at a block start: the block
+        # that just finished, banked right after); layer 0's attention reads the embedding alone.
+        total += 1 if layer == 0 else 2 + completed
+        if layer > 0 and layer % block_size == 0:
+            completed += 1
+        total += 2 + completed  # FFN mix: the partial now holds this layer's attention output
+    return total + 1 + completed + 1
+
+
+def attn_res_flops(m) -> float:
+    """Forward FLOPs per token of all of a model's depth mixes (model config ``m``): 6 D per
+    candidate (`attn_res_candidates`): a multiply-add per element each for its mean square, its logit
+    and the weighted sum; 0.0 with plain residuals."""
+    if m.residual != "attn_res":
+        return 0.0
+    return 6 * m.d_model * attn_res_candidates(m.n_layers, m.attn_res_block_size)
+
+
+def attn_res_bytes(m, tokens: int) -> dict:
+    """Bytes one layer's two depth mixes keep for the backward, per device: {'attn_res': 2
+    ATTN_RES M N D} over M = bank slots + 1 candidates of N = ``tokens`` local tokens and D =
+    d_model; {} with plain residuals."""
+    if m.residual != "attn_res":
+        return {}
+    M = n_bank_slots(m.n_layers, m.attn_res_block_size) + 1
+    return {"attn_res": 2 * ATTN_RES_BYTES * M * tokens * m.d_model}
+
+
+def stream_carry_bytes(m, tokens: int, a: int) -> int:
+    """Bytes of the stream saved at a layer boundary, per device, in a-byte compute dtype: the bank
+    plus the partial sum (bank slots + 1) N D a under Block AttnRes, the hidden state N D a with
+    plain residuals (N = ``tokens`` local tokens, D = d_model)."""
+    if m.residual == "attn_res":
+        return (n_bank_slots(m.n_layers, m.attn_res_block_size) + 1) * tokens * m.d_model * a
+    return tokens * m.d_model * a
 
 
 def init_stream(emb_BTD: jax.Array, residual: str, n_slots: int) -> dict:
@@ -59,9 +125,7 @@ def read(stream: dict, mix: AttnResMix | None) -> jax.Array:
     if "h" in stream:
         return stream["h"]
     bank = stream["bank"]
-    cands = jnp.concatenate([bank, stream["partial"][None]], axis=0)
-    valid = jnp.concatenate([jnp.arange(bank.shape[0]) < stream["count"], stream["has_partial"][None]])
-    return mix(cands, valid)
+    return mix(bank, jnp.arange(bank.shape[0]) < stream["count"], stream["partial"], stream["has_partial"])
 
 
 def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int) -> dict:
@@ -72,9 +136,12 @@ def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int) 
     starts = (layer_idx % block_size) == 0
     push = jnp.logical_and(starts, stream["has_partial"])
     count = stream["count"]
-    pushed = jax.lax.dynamic_update_index_in_dim(stream["bank"], stream["partial"], count, axis=0)
+    # One slot is written either way (with its own value when nothing is pushed): a select between
+    # the whole old and new bank would copy all of it at every layer.
+    bank = stream["bank"]
+    slot = jnp.where(push, stream["partial"], jax.lax.dynamic_index_in_dim(bank, count, 0, keepdims=False))
     return {
-        "bank": jnp.where(push, pushed, stream["bank"]),
+        "bank": jax.lax.dynamic_update_index_in_dim(bank, slot, count, axis=0),
         "count": count + push.astype(jnp.int32),
         "partial": jnp.where(starts, out, stream["partial"] + out),
         "has_partial": jnp.ones((), bool),

@@ -12,6 +12,10 @@ AttnRes mixes over depth only, and MoE routing is per token, so neither needs a 
 `extend` runs T new tokens per row on top of the cache: T = the prompt for prefill, 1 for a decode
 step, k + 1 for speculative verification. Rows may use fewer than T (``n_valid``): prompts of
 different lengths share one right-padded prefill.
+
+Each mixer owns its cache: its layout (``init_cache``), running tokens on it (``extend``), and the
+KDA replay of a prefix (`k3.kda.layer.replay_kda`) and MLA row writes (`k3.mla.layer.write_rows`).
+This module walks the layers with them and holds the loop that is the same for every model.
 """
 
 from __future__ import annotations
@@ -25,14 +29,10 @@ import numpy as np
 from flax import nnx
 
 from k3 import attn_res
+from k3.kda.layer import replay_kda
+from k3.mla.layer import write_rows
 from k3.model import replace_slot, per_layer, walk_layers
 from k3.nn import cast
-
-
-def _layer_cache(layer, batch: int, max_len: int, dtype) -> dict:
-    if layer.mixer_kind == "kda":
-        return layer.mixer.init_cache(batch)
-    return layer.mixer.init_cache(batch, max_len, dtype)
 
 
 def init_cache(model, batch: int, max_len: int, dtype=None) -> dict:
@@ -40,7 +40,7 @@ def init_cache(model, batch: int, max_len: int, dtype=None) -> dict:
     default the model's compute dtype; KDA state always fp32), laid out like the layers
     (`k3.model.per_layer`)."""
     dtype = jnp.dtype(dtype or model.dtype)
-    layers = per_layer(model, lambda layer: _layer_cache(layer, batch, max_len, dtype))
+    layers = per_layer(model, lambda layer: layer.mixer.init_cache(batch, max_len, dtype))
     return {"layers": layers, "length": jnp.zeros((batch,), jnp.int32)}
 
 
@@ -85,18 +85,6 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
     h = model.final_norm(attn_res.read(stream, model.out_mix))
     logits = jnp.einsum("btd,dv->btv", h, cast(model.lm_head, model.dtype)).astype(jnp.float32)
     return logits, {"layers": new, "length": start + n_valid}
-
-
-def write_rows(cache_BSX: jax.Array, rows_BTX: jax.Array, start_B: jax.Array, r=None) -> jax.Array:
-    """Writes row b's T new entries at positions start_B[b] + t of an MLA cache array [B, S, X]
-    (or of repeat ``r`` of a stacked one [R, B, S, X]); positions past S are dropped."""
-    B, T = rows_BTX.shape[:2]
-    pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    rows = rows_BTX.astype(cache_BSX.dtype)
-    if r is None:
-        return cache_BSX.at[b, pos].set(rows, mode="drop")
-    return cache_BSX.at[r, b, pos].set(rows, mode="drop")
 
 
 def sample_logits(logits_BV: jax.Array, key, temperature: float, top_k: int = 0) -> jax.Array:
@@ -203,32 +191,10 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
 # Speculative decoding: verify k drafts in one pass, roll the KDA states back without per-token states
 
 
-def replay_kda(before: dict, inputs: dict, n_B: jax.Array) -> dict:
-    """A KDA layer's cache after the first ``n_B[b]`` of the tokens whose ``inputs`` were kept.
-
-    before: the layer's cache before those tokens; inputs: `KDA.extend`'s kept inputs. The state is
-    rebuilt by the delta rule from ``before['state']`` over the kept k, v, g, beta (the rest masked
-    to identity steps), the conv rings from the kept pre-conv projections: no per-token state is
-    ever stored.
-    """
-    from k3.kda.layer import conv_ring
-    from k3.kda.ops import kda_core
-
-    k, v, g, beta = inputs["k"], inputs["v"], inputs["g"], inputs["beta"]
-    valid = jnp.arange(k.shape[1])[None, :] < n_B[:, None]
-    g = jnp.where(valid[..., None, None], g, 0.0)
-    beta = jnp.where(valid[..., None], beta, 0.0)
-    _, state = kda_core(k, k, v, g, beta, impl="recurrent", initial_state=before["state"],
-                        output_final_state=True, gate_lower_bound=None)
-    rings = {name: conv_ring(before[name], inputs["pre"][:, :, i], n_B)
-             for i, name in enumerate(("conv_q", "conv_k", "conv_v"))}
-    return {"state": state, **rings}
-
-
 def rollback(before: dict, after: dict, n_B: jax.Array) -> dict:
     """The cache after only the first ``n_B[b]`` tokens of an `extend(..., keep_inputs=True)` that
-    took ``before`` to ``after``: KDA layers replayed (`replay_kda`), MLA layers keep their written
-    latents (those past the new length are never read and get overwritten)."""
+    took ``before`` to ``after``: KDA layers replayed (`k3.kda.layer.replay_kda`), MLA layers keep
+    their written latents (those past the new length are never read and get overwritten)."""
     def layer(b, a, stacked):
         if "state" not in b:
             return a

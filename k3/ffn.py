@@ -3,6 +3,10 @@
 SiTU-GLU(a, u) = b1*tanh(a/b1) * sigmoid(a) * b2*tanh(u/b2) with a = W_gate x, u = W_up x,
 b1 = 4 and b2 = 25 in K3: each output is bounded by b1*b2 = 100, and it equals SwiGLU to first
 order near 0 (b*tanh(z/b) = z + O(z^3/b^2)).
+
+The bytes a gated FFN keeps for its backward and sends under tensor parallelism are here too
+(`glu_bytes`, `dense_residual_bytes`, `dense_tensor_bytes`), for the planner (`k3.plan`) and for
+the MoE's experts, which run the same activation (`k3.moe.cost`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.nn import cast, normal, param
+
+# Bytes per hidden element of a gated FFN, gate/up outputs included, measured as the `k3.plan`
+# docstring describes.
+GLU_BYTES = {"situ": 22.0, "swiglu": 18.0}
 
 
 def glu_activation(gate: jax.Array, up: jax.Array, kind: str, beta_gate: float = 4.0,
@@ -51,3 +59,28 @@ class GLUMLP(nnx.Module):
         up = jnp.einsum("...d,df->...f", x, cast(self.w_up, self.dtype))
         h = glu_activation(gate, up, self.activation, self.beta_gate, self.beta_up)
         return jnp.einsum("...f,fd->...d", h, cast(self.w_down, self.dtype))
+
+
+def glu_bytes(activation: str) -> float:
+    """Bytes a gated FFN keeps for its backward per hidden element under ``activation``
+    ('situ' or 'swiglu'; another name counts as 'situ')."""
+    return GLU_BYTES.get(activation, GLU_BYTES["situ"])
+
+
+def dense_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
+    """Bytes one dense FFN layer keeps for its backward pass, per device: ({'ffn': bytes}, 0).
+
+    m: the model config; lay: the planner's layout (`k3.plan.Layout`: local tokens N, the FFN-width
+    divisor); a: compute-dtype bytes. N F GLU + N D a: the hidden activations at F = dense_ffn_dim
+    per device and the output. No transient; ``qk_clip`` is MLA's setting (the planner's per-layer
+    formulas share one signature).
+    """
+    del qk_clip
+    N, D = lay.tokens, m.d_model
+    return {"ffn": N * (m.dense_ffn_dim // lay.mlp_div) * glu_bytes(m.activation) + N * D * a}, 0
+
+
+def dense_tensor_bytes(m, lay, a: int, tp: int) -> list[float]:
+    """Bytes each tensor-parallel collective of one dense FFN layer sends per device and pass over a
+    tensor group of ``tp``: the all-reduce of its output, N D a 2 (tp - 1) / tp."""
+    return [lay.tokens * m.d_model * a * (2 * (tp - 1) / tp)]

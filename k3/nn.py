@@ -1,4 +1,5 @@
-"""Small building blocks shared by the layers: parameters with logical axes, dtypes, RMSNorm.
+"""Small building blocks shared by the layers: parameters with logical axes, dtypes, RMSNorm (and
+the bytes it keeps for its backward, `NORM_BYTES`, which the planner's formulas share).
 
 Every parameter carries logical axis names in its ``out_sharding`` metadata (``embed``, ``heads``,
 ``experts`` ...). Model code names only these; `k3.sharding` maps them onto a device mesh.
@@ -43,6 +44,11 @@ def zeros(key, shape, dtype=jnp.float32):
     """All-zeros initializer."""
     del key
     return jnp.zeros(shape, dtype)
+
+
+# Bytes an RMSNorm keeps for its backward per input element (its fp32 copy and the normalised
+# product), measured as the `k3.plan` docstring describes.
+NORM_BYTES = 8.0
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

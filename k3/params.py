@@ -8,9 +8,11 @@ the n_experts routed experts per MoE layer. FLOPs per token for training (forwar
 3 x forward, a multiply-add = 2):
   ``6N``   6 x non-embedding active parameters (N excludes the embedding table and the LM head);
   ``full`` 6 x (N + LM head) plus 3 x the forward cost of causal softmax attention
-           (H T (d_qk + d_v) per MLA layer at context T, causal-halved), the chunked KDA core per head
-           (6KV + 2C(K+V) + 2CV + 2.5CK + 2C^2/3 at chunk C; kda_kernels.md A.7) and the AttnRes depth
-           mixes (6 M D for M candidates).
+           (H T (d_qk + d_v) per MLA layer at context T, causal-halved; `k3.mla.cost.mla_flops`), the
+           chunked KDA core per head (6KV + 2C(K+V) + 2CV + 2.5CK + 2C^2/3 at chunk C; kda_kernels.md
+           A.7; `k3.kda.cost.kda_flops`) and the AttnRes depth mixes (6 M D for M candidates;
+           `k3.attn_res.attn_res_flops`).
+Each mechanism owns its formula; `flops_per_token` adds them up over the layer kinds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import math
 
 from flax import nnx
 
+from k3.attn_res import attn_res_flops
 from k3.config import layer_kinds, validate
+from k3.kda.cost import kda_flops
+from k3.mla.cost import mla_flops
 from k3.model import Model
 from k3.moe.layer import MoE
 
@@ -66,24 +71,6 @@ def count_params(model_cfg) -> dict:
     }
 
 
-def attn_res_candidates(n_layers: int, block_size: int) -> int:
-    """Total number of depth-mix candidates over all mixes (2 per layer + the output mix)."""
-    total, completed = 0, 0
-    for layer in range(n_layers):
-        # Attention mix: embedding, completed blocks, and the partial (at a block start: the block
-        # that just finished, banked right after); layer 0's attention reads the embedding alone.
-        total += 1 if layer == 0 else 2 + completed
-        if layer > 0 and layer % block_size == 0:
-            completed += 1
-        total += 2 + completed  # FFN mix: the partial now holds this layer's attention output
-    return total + 1 + completed + 1
-
-
-def kda_core_flops(K: int, V: int, C: int) -> float:
-    """Forward FLOPs per token per head of the chunked KDA core."""
-    return 6 * K * V + 2 * C * (K + V) + 2 * C * V + 2.5 * C * K + 2 * C * C / 3
-
-
 def flops_per_token(model_cfg, seq_len: int, counts: dict | None = None) -> dict:
     """Training FLOPs per token under the ``6N`` and ``full`` conventions, plus the forward terms."""
     counts = counts or count_params(model_cfg)
@@ -91,12 +78,9 @@ def flops_per_token(model_cfg, seq_len: int, counts: dict | None = None) -> dict
     kinds = layer_kinds(model_cfg)
     n_mla = sum(m == "mla" for m, _ in kinds)
     n_kda = len(kinds) - n_mla
-    a, k = model_cfg.mla, model_cfg.kda
-    attn_fwd = n_mla * a.n_heads * seq_len * (a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim)
-    kda_fwd = n_kda * k.n_heads * kda_core_flops(k.head_dim, k.head_dim, k.chunk_size)
-    res_fwd = 0.0
-    if model_cfg.residual == "attn_res":
-        res_fwd = 6 * model_cfg.d_model * attn_res_candidates(model_cfg.n_layers, model_cfg.attn_res_block_size)
+    attn_fwd = mla_flops(model_cfg.mla, seq_len, n_mla)
+    kda_fwd = kda_flops(model_cfg.kda, n_kda)
+    res_fwd = attn_res_flops(model_cfg)
     full = 6 * (n + counts["lm_head_params"]) + 3 * (attn_fwd + kda_fwd + res_fwd)
     return {
         "6N": float(6 * n),

@@ -22,7 +22,14 @@ Per-device bytes (1 GB = 1e9 bytes):
   gradients    bytes(params) (the train step differentiates w.r.t. the stored float32 parameters); with
                optim.grad_accum = A > 1 the step adds each micro-batch's gradients into one running
                sum: 2 x bytes(params).
-  activations  an ESTIMATE of the peak, see `activation_estimate` and `layer_residual_bytes`.
+  activations  an ESTIMATE of the peak, see `activation_estimate` and `layer_residual_bytes`. What a
+               layer keeps for its backward comes from its mechanisms' formulas (`k3.kda.cost`,
+               `k3.mla.cost`, `k3.moe.cost`, `k3.ffn`, `k3.attn_res`), whose per-element constants
+               (*_BYTES) come from XLA's buffer assignment (CPU backend, JAX 0.10.2) for single
+               layers of this codebase at reduced width: the growth of the compiled gradient's
+               temporary bytes from 1 to 3 stacked copies of the layer, split over the tensors that
+               scale it. They fold in the fp32 copies JAX saves for norms, gates and activations,
+               and what XLA's fusion removes again; another backend's fusion will differ somewhat.
 
 Collective bytes sent per device per step (ring algorithms: all-gather and reduce-scatter of an array
 of S bytes over n devices send S (n-1)/n, all-reduce 2 S (n-1)/n, all-to-all of an S-byte buffer
@@ -51,13 +58,19 @@ import numpy as np
 from flax import nnx
 
 from k3 import optim as k3_optim
-from k3.attn_res import n_bank_slots
+from k3.attn_res import attn_res_bytes, stream_carry_bytes
 from k3.config import layer_kinds, validate
 from k3.backends import BackendError
+from k3.ffn import dense_residual_bytes, dense_tensor_bytes
 from k3.hardware import PEAK_BF16_FLOPS
+from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_residual_bytes
+from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
 from k3.model import plan_layers
+from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
+                         moe_tensor_bytes, router_bias_bytes)
 from k3.kda.ops import KDA_CORES
+from k3.nn import NORM_BYTES
 from k3.params import ROUTED, abstract_model, count_params, flops_per_token
 from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
 
@@ -361,8 +374,9 @@ class Layout:
     ``micro``: sequences per device per micro-batch; ``t``: local tokens per sequence; ``tokens``:
     local tokens per micro-batch (micro * t); divisors ``*_div`` of heads, FFN widths and vocabulary.
     ``expert_axes``/``P``: the expert-parallel group and its size; ``C``: all-to-all rows per
-    destination device (0 without expert parallelism); ``dispatch``: 'padded' (fixed [P, C] buffers
-    travel) or 'ragged' (only the routed rows travel; the receive buffer still has P C rows).
+    destination device (0 without expert parallelism; `k3.moe.cost.moe_dispatch_rows`); ``dispatch``:
+    'padded' (fixed [P, C] buffers travel) or 'ragged' (only the routed rows travel; the receive
+    buffer still has P C rows; `k3.moe.cost.moe_dispatch`).
     ``attention``/``kda_core``: the `k3.mla.ATTENTION` / `k3.kda.ops.KDA_CORES` entries the config
     runs on the planned device's platform ('auto' resolved there).
     """
@@ -440,11 +454,8 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
     t = seq // _shards(sharder, c_axes)
     micro = micro_global // _shards(sharder, b_axes)
     cf = m.moe.capacity_factor if capacity_factor is None else capacity_factor
-    R = micro * t * m.moe.top_k
-    C = 0 if P == 1 else (R if cf <= 0 else max(1, math.ceil(cf * R / P)))
-    # 'auto' picks the ragged all-to-all on GPUs and TPUs (`k3.moe.MoE`), which every device kind
-    # of the table is; the emulated ragged exchange moves padded chunks.
-    dispatch = {"auto": "ragged", "ragged": "ragged"}.get(m.moe.ep_dispatch, "padded")
+    C = moe_dispatch_rows(m.moe, micro * t, P, cf)
+    dispatch = moe_dispatch(m.moe)
     return Layout(
         batch_axes=b_axes, context_axes=c_axes, micro=micro, accum=accum, t=t, seq=seq,
         kda_heads_div=_axes_shards(sharder, ("act_heads",), (m.kda.n_heads,), 0)[1],
@@ -470,109 +481,40 @@ def _layers(m):
     return _LAYOUTS[key]
 
 
-# Bytes a layer keeps for its backward pass, per element of the named tensor. They come from XLA's
-# buffer assignment (CPU backend, JAX 0.10.2) for single layers of this codebase at reduced width:
-# the growth of the compiled gradient's temporary bytes from 1 to 3 stacked copies of the layer,
-# split over the tensors that scale it. They fold in the fp32 copies JAX saves for norms, gates and
-# activations, and what XLA's fusion removes again; another backend's fusion will differ somewhat.
-NORM_BYTES = 8.0  # per element of an RMSNorm input: its fp32 copy and the normalised product
-ATTN_RES_BYTES = 12.0  # per candidate element [M, N, D] of one depth mix: fp32 candidates and squares
-GLU_BYTES = {"situ": 22.0, "swiglu": 18.0}  # per hidden element of a gated FFN, gate/up outputs included
-KDA_CHUNK_BYTES = (316.0, 1.1)  # whole KDA layer on the jnp chunked core: a + b * chunk per N*H*K (K = 128)
-KDA_LAYER_BYTES = 121.0  # per element of N*H*K outside the core: causal convs, gates, output norm
-MLA_SCORE_BYTES = 16.0  # per attention score [B, H, T, S]: fp32 logits, exp, bf16 probabilities, mask
-MLA_LATENT_BYTES = 7.0  # per element of the q/kv latents (q_lora + kv_lora + rope) and their norms
+# Each mechanism's per-layer formulas, keyed by the layer kinds of `k3.config.layer_kinds` (mixer,
+# FFN). Residuals: (m, lay, a, qk_clip) -> ({term: bytes}, transient bytes); context gathers:
+# (m, lay, a) -> bytes per pass before the ring factor; tensor-parallel collectives:
+# (m, lay, a, tp) -> [bytes per collective and pass]; all-to-alls: (m, lay, a, passes) -> bytes.
+MIXER_RESIDUALS = {"kda": kda_residual_bytes, "mla": mla_residual_bytes}
+FFN_RESIDUALS = {"dense": dense_residual_bytes, "moe": moe_residual_bytes}
+CONTEXT_GATHERS = {"kda": kda_context_bytes, "mla": mla_context_bytes}
+FFN_TENSOR_PARALLEL = {"dense": dense_tensor_bytes, "moe": moe_tensor_bytes}
+FFN_ALL_TO_ALL = {"moe": moe_all_to_all_bytes}
 
 
 def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: bool) -> dict:
     """Estimated bytes one layer keeps for its backward pass, per device, and its largest transient.
 
-    N = local tokens per micro-batch (b sequences of t tokens; S = the full sequence the keys span),
-    D = d_model, a = compute-dtype bytes, f = 4; head counts and FFN widths are per device (divided
-    by their tensor-parallel shards); constants are the module's *_BYTES (see there).
-      stream   2 NORM N D + 2 N D a         the two pre-norms and the sublayer outputs
-      attn_res 2 ATTN_RES M N D             (Block AttnRes) two depth mixes over M = bank slots + 1
-                                            candidates
-      kda      X (KDA_LAYER + core),  X = N H K; core for impl 'chunk'/'reference'/'recurrent':
-               KDA_CHUNK = 316 + 1.1 C - KDA_LAYER; for 'pallas' the kernel's own residuals:
-               3 a + 3 f (q, k, v, cumulative gate, w, v_new) + 2 C f / K (Aqk, T) + V f / C (chunk states)
-      mla      b H t S MLA_SCORE                 XLA softmax attention (jax.nn.dot_product_attention
-                                                 without an implementation is the XLA path; the context-
-                                                 parallel path materialises the same scores)
-               + N H ((5 d_qk + d_n + d_v) a + f + d_v (2 a + f))   q, kv up-projection, concatenated
-                                                 q and k, v padded to d_qk, output, output gate
-               + N (r_q + r_kv + d_r) MLA_LATENT  latent projections and their norms
-               context > 1: + the gathered k, v: b S H (d_qk + d_v) a
-               transient: the backward's score gradient, 8 b H t S, or QK-Clip's second score pass
-               (fp32 logits and mask, 9 b H t S) when optim.qk_clip
-      dense    N F GLU + N D a
-      moe      router: fp32 input copy N D f + scores 2 N E f; latent input N W a and its norm
-               N W (NORM + a); expert side R (W a + F_e GLU), R = P C rows received (P = expert
-               shards, C = N k dropless or ceil(c N k / P); without expert parallelism R = N k);
-               routed outputs home N k W (a + f); shared expert N F_s GLU; output N D a.
-               transient: the all-to-all's send and receive buffers, (R + R) W a padded or
-               (N k + R) W a ragged (the sorted routes are sent as they are).
+    N = local tokens per micro-batch, D = d_model, a = compute-dtype bytes; head counts and FFN
+    widths are per device (divided by their tensor-parallel shards).
+      stream   2 NORM N D + 2 N D a    the two pre-norms (`k3.nn.NORM_BYTES`) and the sublayer outputs
+      attn_res (Block AttnRes) the two depth mixes, `k3.attn_res.attn_res_bytes`
+      mixer    ``mixer``'s entry of `MIXER_RESIDUALS`: `k3.kda.cost.kda_residual_bytes`,
+               `k3.mla.cost.mla_residual_bytes`
+      ffn      ``ffn``'s entry of `FFN_RESIDUALS`: `k3.ffn.dense_residual_bytes` (term 'ffn'),
+               `k3.moe.cost.moe_residual_bytes`
+    The transient is the larger of the mixer's and the FFN's (attention-score gradients or QK-Clip
+    logits, all-to-all buffers); ``qk_clip`` is optim.qk_clip.
     Returns {'total': bytes, 'transient': bytes, term: bytes ...}.
     """
-    f = 4
     N, D = lay.tokens, m.d_model
-    glu = GLU_BYTES.get(m.activation, GLU_BYTES["situ"])
     out = {"stream": 2 * NORM_BYTES * N * D + 2 * N * D * a}
-    if m.residual == "attn_res":
-        M = n_bank_slots(m.n_layers, m.attn_res_block_size) + 1
-        out["attn_res"] = 2 * ATTN_RES_BYTES * M * N * D
+    out.update(attn_res_bytes(m, N))
     transient = 0.0
-    scores = 0
-    if mixer == "kda":
-        k = m.kda
-        H = k.n_heads // lay.kda_heads_div
-        K = V = k.head_dim
-        C = k.chunk_size
-        X = N * H * K
-        if lay.kda_core == "pallas":
-            core = 3 * a + 3 * f + 2 * C * f / K + V * f / C
-        else:
-            core = KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * C - KDA_LAYER_BYTES
-        kda = X * (KDA_LAYER_BYTES + core)
-        if lay.cp > 1:
-            kda += lay.cp * lay.micro * H * K * (K + V) * f  # the gathered state pairs
-        out["kda"] = kda
-    else:
-        q = m.mla
-        H = q.n_heads // lay.mla_heads_div
-        dqk = q.qk_nope_dim + q.qk_rope_dim
-        scores = lay.micro * H * lay.t * lay.seq
-        # XLA's softmax keeps the scores for the backward; the fused kernels keep only the output and
-        # its log-sum-exp (counted below), and cuDNN takes the documents as a [B, 1, T, S] bool mask.
-        fused = lay.attention != "xla"
-        mla = 0.0 if fused else scores * MLA_SCORE_BYTES
-        mla += N * H * ((5 * dqk + q.qk_nope_dim + q.v_head_dim) * a + f + q.v_head_dim * (2 * a + f))
-        mla += N * (q.q_lora_rank + q.kv_lora_rank + q.qk_rope_dim) * MLA_LATENT_BYTES
-        if lay.cp > 1:
-            mla += lay.micro * lay.seq * H * (dqk + q.v_head_dim) * a
-        if not fused:
-            transient = max(transient, scores * (9 if qk_clip else 8))
-        else:  # QK-Clip's separate logit pass materialises fp32 scores and their mask whatever the kernel
-            mask = lay.micro * lay.t * lay.seq if lay.attention == "cudnn" else 0
-            transient = max(transient, scores * 5 * qk_clip + mask)
-        out["mla"] = mla
-    if ffn == "dense":
-        out["ffn"] = N * (m.dense_ffn_dim // lay.mlp_div) * glu + N * D * a
-    else:
-        e = m.moe
-        W = e.latent_dim if e.latent_dim > 0 else D
-        Fe = e.expert_dim // lay.expert_mlp_div
-        R = lay.P * lay.C if lay.P > 1 else N * e.top_k
-        moe = N * D * f + 2 * N * e.n_experts * f + R * (W * a + Fe * glu) + N * e.top_k * W * (a + f)
-        moe += N * D * a
-        if e.latent_dim > 0:
-            moe += N * W * a + N * W * (NORM_BYTES + a)
-        if e.shared_dim > 0:
-            moe += N * (e.shared_dim // lay.shared_div) * glu
-        out["moe"] = moe
-        if lay.P > 1:
-            sent = R if lay.dispatch == "padded" else N * e.top_k
-            transient = max(transient, (sent + R) * W * a)
+    for table, kind in ((MIXER_RESIDUALS, mixer), (FFN_RESIDUALS, ffn)):
+        terms, peak = table[kind](m, lay, a, qk_clip)
+        out.update(terms)
+        transient = max(transient, peak)
     out["total"] = sum(v for k, v in out.items())
     out["transient"] = transient
     return out
@@ -606,10 +548,7 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
     res = [by_kind[kind] for kind in kinds]
     body_idx = list(range(start, start + period * repeats))
     unrolled = list(head) + list(tail)
-    if m.residual == "attn_res":
-        carry = (n_bank_slots(m.n_layers, m.attn_res_block_size) + 1) * N * D * a
-    else:
-        carry = N * D * a
+    carry = stream_carry_bytes(m, N, a)
     out = {}
     if remat:
         out["carries"] = (repeats + len(unrolled)) * carry
@@ -679,15 +618,15 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
                      transposes backward, and the forward again under remat: 4 or 6 x rows W a (P-1)/P
                      (plus the int32 expert ids of each dispatch); rows = the padded buffer P C, or
                      with the ragged all-to-all the N k routes themselves (remote share (P-1)/P under
-                     uniform routing)
+                     uniform routing); `FFN_ALL_TO_ALL` (`k3.moe.cost.moe_all_to_all_bytes`)
       tensor         per layer (tensor > 1): all-reduce of the mixer output, of the FFN output (dense;
                      MoE: shared expert and latent up-projection) N D a each, the routed experts'
                      partial sums N k W a when their hidden width is split, the all-gather of the latent
-                     input N W a; the same again backward and under remat; LM head and embedding
-                     one all-reduce of N D a each way
+                     input N W a (the FFN's terms: `FFN_TENSOR_PARALLEL`); the same again backward and
+                     under remat; LM head and embedding one all-reduce of N D a each way
       context        per KDA layer the all-gather of the state pairs b H K (K+V) fp32: (cp-1) x sent;
-                     per MLA layer of k and v b t H (d_qk + d_v) a; backward reduce-scatters the same;
-                     again under remat
+                     per MLA layer of k and v b t H (d_qk + d_v) a (`CONTEXT_GATHERS`); backward
+                     reduce-scatters the same; again under remat
     Returns a list of {'what', 'bytes', 'seconds', 'axes'}.
     """
     m = cfg.model
@@ -717,34 +656,23 @@ def collective_estimate(cfg, infos: list[ParamInfo], sharder: Sharder, lay: Layo
         if r > 1:
             add("gradient all-reduce (replicated axes)", reduce, acc * 2 * full / g * (r - 1) / r)
     N, D = lay.tokens, m.d_model
-    e = m.moe
-    k, shared, latent = e.top_k, e.shared_dim, e.latent_dim
-    W = latent if latent > 0 else D
     tp = sharder.size("tensor")
-    kda_local = lay.micro * (m.kda.n_heads // lay.kda_heads_div) * m.kda.head_dim * 2 * m.kda.head_dim * 4
-    mla_local = N * (m.mla.n_heads // lay.mla_heads_div) * (
-        m.mla.qk_nope_dim + m.mla.qk_rope_dim + m.mla.v_head_dim) * a
+    mixers, ffns = {mx for mx, _ in kinds_l}, {f for _, f in kinds_l}
+    gathered = {kind: CONTEXT_GATHERS[kind](m, lay, a) for kind in mixers}
+    ffn_tensor = {kind: FFN_TENSOR_PARALLEL[kind](m, lay, a, tp) for kind in ffns} if tp > 1 else {}
     a2a = tensor = context = 0.0
     for i, (mixer, ffn) in enumerate(kinds_l):
         passes = 3 if remat else 2  # forward, backward (+ recomputed forward)
-        if ffn == "moe" and lay.P > 1:
-            n_rows = lay.P * lay.C if lay.dispatch == "padded" else min(N * k, lay.P * lay.C)
-            a2a += (2 * passes * n_rows * W * a + (passes - 1) * n_rows * 4) * (lay.P - 1) / lay.P
+        if ffn in FFN_ALL_TO_ALL and lay.P > 1:
+            a2a += FFN_ALL_TO_ALL[ffn](m, lay, a, passes)
         if tp > 1:
             ar = 2 * (tp - 1) / tp
             vol = N * D * a * ar  # the mixer output
-            if ffn == "dense":
-                vol += N * D * a * ar
-            else:
-                if shared > 0:
-                    vol += N * D * a * ar
-                if latent > 0:
-                    vol += N * D * a * ar + N * W * a * (tp - 1) / tp
-                if lay.expert_mlp_div > 1:
-                    vol += N * k * W * a * ar
+            for nbytes in ffn_tensor[ffn]:
+                vol += nbytes
             tensor += passes * vol
         if lay.cp > 1:
-            context += passes * (kda_local if mixer == "kda" else mla_local) * (lay.cp - 1)
+            context += passes * gathered[mixer] * (lay.cp - 1)
     if a2a:
         add("expert all-to-all (dispatch + return)", lay.expert_axes, acc * a2a, "a2a")
     if tensor:
@@ -837,7 +765,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     grads = pb["total"] * (1 if accum == 1 else 2)
     gbuf = gather_buffer_bytes(mdl.infos, comm_info, a, repeats)
     act = activation_estimate(cfg, lay, remat, gbuf)
-    rest = m.moe.n_experts * 4 * sum(1 for _, f in kinds if f == "moe")  # router biases
+    rest = router_bias_bytes(m.moe) * sum(1 for _, f in kinds if f == "moe")
     total = pb["total"] + ob["total"] + grads + act["peak"] + rest
     usable = dev.memory_bytes * (1 - headroom)
 
@@ -858,15 +786,15 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         notes.append(f"dropless expert parallelism {what} C = N k = {lay.C:,} rows per source device "
                      f"(x {lay.P}); a capacity factor (model.moe.capacity_factor) shrinks the buffers by "
                      "about P / c")
-    mla_scores = lay.micro * (m.mla.n_heads // lay.mla_heads_div) * lay.t * lay.seq * MLA_SCORE_BYTES
-    if lay.attention == "xla" and any(k == "mla" for k, _ in kinds) and mla_scores > 0.05 * dev.memory_bytes:
+    score_bytes = mla_scores(m, lay) * MLA_SCORE_BYTES
+    if lay.attention == "xla" and any(k == "mla" for k, _ in kinds) and score_bytes > 0.05 * dev.memory_bytes:
         notes.append("MLA attention runs XLA's softmax path (model.mla.attention_impl), which keeps the "
                      "[B, H, T, S] scores for the backward "
                      f"({MLA_SCORE_BYTES:.0f} B per score): {lay.micro} x {m.mla.n_heads // lay.mla_heads_div} "
                      f"x {lay.t} x {lay.seq} per MLA layer")
     if lay.kda_core != "pallas" and any(k == "kda" for k, _ in kinds):
         notes.append(f"KDA runs the jnp {lay.kda_core} core (model.kda.impl={m.kda.impl}), which keeps about "
-                     f"{KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * m.kda.chunk_size:.0f} B per element of "
+                     f"{kda_chunk_layer_bytes(m.kda.chunk_size):.0f} B per element of "
                      "N H K for the backward; the Pallas kernel keeps about a third of that")
     if lay.cp > 1 and not any("context" in g for g, _, _ in comm_info):
         notes.append("no parameter is sharded over context: every context rank holds the full FSDP shard; "

@@ -196,6 +196,28 @@ def test_attn_res_mix_matches_formula():
     np.testing.assert_allclose(mix(jnp.asarray(cands, jnp.float32), jnp.ones(3, bool)), ref, rtol=1e-5)
 
 
+@pytest.mark.parametrize("extra_valid", [True, False])
+def test_attn_res_extra_candidate_equals_concatenation(extra_valid):
+    """The partial sum passed apart from the bank mixes exactly as if concatenated to it: values and
+    gradients, with invalid slots in the bank and the extra candidate valid or not."""
+    mix = attn_res.AttnResMix(8, 1e-5, rngs=nnx.Rngs(0))
+    mix.query[...] = _rand(1, (8,), 3.0)
+    bank, extra = _rand(2, (4, 2, 3, 8)), _rand(3, (2, 3, 8), 5.0)
+    valid = jnp.array([True, False, True, True])
+    ev = jnp.asarray(extra_valid)
+
+    def split(bank, extra):
+        return jnp.sum(jnp.sin(mix(bank, valid, extra, ev)))
+
+    def joined(bank, extra):
+        cands = jnp.concatenate([bank, extra[None]], axis=0)
+        return jnp.sum(jnp.sin(mix(cands, jnp.concatenate([valid, ev[None]]))))
+
+    np.testing.assert_allclose(split(bank, extra), joined(bank, extra), rtol=1e-5)
+    for a, b in zip(jax.grad(split, (0, 1))(bank, extra), jax.grad(joined, (0, 1))(bank, extra)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_attn_res_stream_follows_block_schedule():
     """The traced stream equals a list-based walk of the spec's schedule (uniform mixes)."""
     L, bs, D = 7, 3, 4

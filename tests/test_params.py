@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from experiments.configs import k2_full, k3_full, ladder
-from k3.params import attn_res_candidates, kda_core_flops, report
+from k3.attn_res import attn_res_candidates
+from k3.kda.cost import kda_core_flops
+from k3.params import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,6 +11,7 @@ from conftest import tiny_model_cfg
 
 from k3 import plan as P
 from k3.config import default_config
+from k3.mla.cost import MLA_SCORE_BYTES
 from k3.optim import param_dimension_numbers
 from k3.params import count_params
 
@@ -162,7 +163,7 @@ def test_plan_follows_the_kernels_the_platform_runs():
     c = _cfg()
     n_mla = sum(m == "mla" for m, _ in P.layer_kinds(c.model))
     scores = n_mla * 2 * c.model.mla.n_heads * 256 * 256
-    assert kept("xla") - kept("auto") == pytest.approx(scores * P.MLA_SCORE_BYTES)
+    assert kept("xla") - kept("auto") == pytest.approx(scores * MLA_SCORE_BYTES)
     assert kept("auto") == kept("flash") == kept("cudnn")
     assert kept("auto", "tpu-v5p") == kept("xla", "tpu-v5p") > kept("xla")  # and the jnp KDA core there
     with pytest.raises(P.PlanError, match="attention_impl='cudnn' runs only on gpu"):

@@ -8,6 +8,9 @@ o    = W_o (sigmoid(W_g x) * RMSNorm_head(KDA(q, k, v, g, beta)))
 
 The delta-rule core goes through the single dispatch point `k3.kda.ops.kda_core`, so the Pallas
 kernel is selected by ``model.kda.impl``. Gate, beta and state math run in fp32.
+
+Decoding is the layer's too: its fixed-size cache (`KDA.init_cache`), running new tokens on it
+(`KDA.extend`) and rebuilding it after a prefix of them for speculative rollback (`replay_kda`).
 """
 
 from __future__ import annotations
@@ -149,9 +152,12 @@ class KDA(nnx.Module):
     # ------------------------------------------------------------------------------------------
     # Incremental decoding: a fixed-size cache per row (the recurrent state and the conv rings)
 
-    def init_cache(self, batch: int) -> dict:
+    def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> dict:
         """Empty decode cache: 'state' [B, H, K, K] fp32 and, per projection, the ring of its last
-        conv_size - 1 inputs 'conv_q' / 'conv_k' / 'conv_v' [B, conv_size - 1, H*K] fp32."""
+        conv_size - 1 inputs 'conv_q' / 'conv_k' / 'conv_v' [B, conv_size - 1, H*K] fp32.
+        ``max_len`` and ``dtype`` are accepted so that every mixer's cache is built by one call
+        (`k3.decode.init_cache`); they change nothing: the cache has no positions and stays fp32."""
+        del max_len, dtype
         H, K = self.n_heads, self.head_dim
         ring = jnp.zeros((batch, self.conv_size - 1, H * K), jnp.float32)
         return {"state": jnp.zeros((batch, H, K, K), jnp.float32), "conv_q": ring, "conv_k": ring, "conv_v": ring}
@@ -175,7 +181,7 @@ class KDA(nnx.Module):
         are meaningless. ``start_B`` (tokens already cached) is unused: the state has no positions.
         ``keep_inputs`` adds cache['inputs']: the tokens' projected inputs (pre-conv projections
         'pre' [B, T, 3, H*K] fp32; k, v [B, T, H, K]; g [B, T, H, K]; beta [B, T, H]), from which
-        `k3.decode.replay_kda` rebuilds the state after any prefix of them (speculative rollback).
+        `replay_kda` rebuilds the state after any prefix of them (speculative rollback).
         """
         del start_B
         x = x_BTD.astype(self.dtype)
@@ -203,3 +209,27 @@ class KDA(nnx.Module):
         if keep_inputs:
             new["inputs"] = inputs
         return y, new
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative rollback: the cache after a prefix of the tokens an ``extend`` ran, from its inputs
+
+
+def replay_kda(before: dict, inputs: dict, n_B: jax.Array) -> dict:
+    """A KDA layer's cache after the first ``n_B[b]`` of the tokens whose ``inputs`` were kept.
+
+    before: the layer's cache before those tokens (`KDA.init_cache`'s layout); inputs: `KDA.extend`'s
+    kept inputs for T tokens; n_B: [B] int in 0..T. The state is rebuilt by the delta rule from
+    ``before['state']`` over the kept k, v, g, beta (the rest masked to identity steps), the conv
+    rings from the kept pre-conv projections: no per-token state is ever stored. `k3.decode.rollback`
+    calls it per KDA layer (vmapped over the repeats of a scanned body).
+    """
+    k, v, g, beta = inputs["k"], inputs["v"], inputs["g"], inputs["beta"]
+    valid = jnp.arange(k.shape[1])[None, :] < n_B[:, None]
+    g = jnp.where(valid[..., None, None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    _, state = kda_core(k, k, v, g, beta, impl="recurrent", initial_state=before["state"],
+                        output_final_state=True, gate_lower_bound=None)
+    rings = {name: conv_ring(before[name], inputs["pre"][:, :, i], n_B)
+             for i, name in enumerate(("conv_q", "conv_k", "conv_v"))}
+    return {"state": state, **rings}

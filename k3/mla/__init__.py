@@ -1,6 +1,7 @@
-"""Multi-head Latent Attention (K2) and Gated MLA (K3): the layer, QK-Clip and the attention
-backends' table (`k3.mla.layer`), and attention over a sequence split across devices
-(`k3.mla.parallel`)."""
+"""Multi-head Latent Attention (K2) and Gated MLA (K3): the layer with its latent decode cache,
+QK-Clip and the attention backends' table (`k3.mla.layer`), attention over a sequence split across
+devices (`k3.mla.parallel`), and what a layer costs: attention FLOPs and the bytes it keeps and
+sends (`k3.mla.cost`)."""
 
 from k3.mla.layer import ATTENTION, MLA, attention
 

@@ -16,6 +16,9 @@ restricted to the query's own document when ``segment_ids`` are given; its kerne
                   default: 3.9x cuDNN forward+backward with documents of 512 in rows of 4096, on an
                   H200); interpreted off the GPU.
 The fused kernels need bf16/fp16 operands; with fp32 compute they run the 'xla' form instead.
+
+Decoding is the layer's too: its latent cache (`MLA.init_cache`), attending new tokens to it
+(`MLA.extend`) and writing their entries into it (`write_rows`).
 """
 
 from __future__ import annotations
@@ -247,7 +250,7 @@ class MLA(nnx.Module):
         Row b's new tokens sit at positions start_B[b] + t; the cache's positions below start_B[b]
         are the row's past. ``rows``: the new tokens' cache entries, {'c_kv': [B, T, kv_lora],
         'k_rope': [B, T, rope]} in the cache dtype, for the caller to write at those positions
-        (`k3.decode.write_rows`). The layer never writes the cache itself: inside a scan over
+        (`write_rows`). The layer never writes the cache itself: inside a scan over
         stacked layers a written copy would cost a whole layer cache per step, where the caller's
         scatter into its carry writes T rows in place. Tokens past a row's ``n_valid_B[b]`` are
         returned too: they lie beyond its length, no valid query attends to them, and the next call
@@ -294,3 +297,20 @@ class MLA(nnx.Module):
             o = o * jax.nn.sigmoid(gate.astype(f32))
         y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.w_o, dt))
         return y, {"c_kv": c_new, "k_rope": r_new}
+
+
+def write_rows(cache_BSX: jax.Array, rows_BTX: jax.Array, start_B: jax.Array, r=None) -> jax.Array:
+    """Writes row b's T new entries at positions start_B[b] + t of an MLA cache array [B, S, X]
+    (or of repeat ``r`` of a stacked one [R, B, S, X]); positions past S are dropped.
+
+    rows: [B, T, X] (`MLA.extend`'s new entries), cast to the cache's dtype; start: [B] int32, the
+    tokens already cached per row. Returns the updated cache array (the caller's scan carry, so
+    the scatter happens in place).
+    """
+    B, T = rows_BTX.shape[:2]
+    pos = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rows = rows_BTX.astype(cache_BSX.dtype)
+    if r is None:
+        return cache_BSX.at[b, pos].set(rows, mode="drop")
+    return cache_BSX.at[r, b, pos].set(rows, mode="drop")

@@ -1,0 +1,75 @@
+"""What a KDA layer costs: forward FLOPs (summed by `k3.params`) and the bytes it keeps for its
+backward and sends under context parallelism (summed by `k3.plan`).
+
+The formulas sit in a module of their own, beside the layer and its cores rather than in them,
+because their readers only do arithmetic on config values: the FLOP count and the planner use them
+without building a layer, and a change to the layer or to a core's residuals finds its cost
+estimate in the same package.
+
+Byte formulas read the planner's layout (`k3.plan.Layout`: local tokens and sequences, the head
+divisor, the context-parallel degree, the KDA core the planned platform runs) and the compute-dtype
+bytes ``a``; fp32 values count f = 4 bytes.
+"""
+
+from __future__ import annotations
+
+# Bytes per element of N*H*K, measured at K = 128 as the `k3.plan` docstring describes.
+KDA_CHUNK_BYTES = (316.0, 1.1)  # whole KDA layer on the jnp chunked core: a + b * chunk
+KDA_LAYER_BYTES = 121.0  # outside the core: causal convs, gates, output norm
+
+
+def kda_core_flops(K: int, V: int, C: int) -> float:
+    """Forward FLOPs per token per head of the chunked KDA core at key width K, value width V and
+    chunk C: 6KV + 2C(K+V) + 2CV + 2.5CK + 2C^2/3 (kda_kernels.md A.7)."""
+    return 6 * K * V + 2 * C * (K + V) + 2 * C * V + 2.5 * C * K + 2 * C * C / 3
+
+
+def kda_flops(kda_cfg, n_layers: int = 1) -> float:
+    """Forward FLOPs per token of the KDA cores of ``n_layers`` layers (``model.kda``: every head at
+    K = V = head_dim and chunk_size). The layer count multiplies the integer head count before the
+    fractional per-head cost, so that a model's total is rounded once."""
+    k = kda_cfg
+    return n_layers * k.n_heads * kda_core_flops(k.head_dim, k.head_dim, k.chunk_size)
+
+
+def kda_chunk_layer_bytes(chunk_size: int) -> float:
+    """Bytes per element of N*H*K that a whole KDA layer keeps for its backward on a jnp core
+    ('chunk', 'reference', 'recurrent') at ``chunk_size``: KDA_CHUNK_BYTES a + b C."""
+    return KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * chunk_size
+
+
+def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
+    """Bytes one KDA layer keeps for its backward pass, per device: ({'kda': bytes}, transient).
+
+    m: the model config; lay: the planner's layout; a: compute-dtype bytes. With X = N H K (N local
+    tokens, H heads per device, K = V = head_dim, C = chunk_size):
+      X (KDA_LAYER + core); core on a jnp core: `kda_chunk_layer_bytes` - KDA_LAYER; on 'pallas'
+      the kernel's own residuals: 3 a + 3 f (q, k, v, cumulative gate, w, v_new) + 2 C f / K
+      (Aqk, T) + V f / C (chunk states);
+      context > 1: + the gathered state pairs cp b H K (K + V) f.
+    The transient is 0.0: nothing KDA holds briefly outgrows its residuals. ``qk_clip`` is MLA's
+    setting (the planner's per-layer formulas share one signature).
+    """
+    del qk_clip
+    f = 4
+    k = m.kda
+    H = k.n_heads // lay.kda_heads_div
+    K = V = k.head_dim
+    C = k.chunk_size
+    X = lay.tokens * H * K
+    if lay.kda_core == "pallas":
+        core = 3 * a + 3 * f + 2 * C * f / K + V * f / C
+    else:
+        core = kda_chunk_layer_bytes(C) - KDA_LAYER_BYTES
+    kda = X * (KDA_LAYER_BYTES + core)
+    if lay.cp > 1:
+        kda += lay.cp * lay.micro * H * K * (K + V) * f  # the gathered state pairs
+    return {"kda": kda}, 0.0
+
+
+def kda_context_bytes(m, lay, a: int) -> int:
+    """Bytes one KDA layer's context-parallel all-gather holds per pass, per device (the planner
+    multiplies by cp - 1): the fp32 state pairs b H K 2K of the local sequences, H heads per
+    device. ``a`` is unused: the states stay fp32 whatever the compute dtype."""
+    del a
+    return lay.micro * (m.kda.n_heads // lay.kda_heads_div) * m.kda.head_dim * 2 * m.kda.head_dim * 4
