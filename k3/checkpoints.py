@@ -46,7 +46,7 @@ def run_identity(cfg) -> dict:
 
 
 # Keys removed from the schema that never changed what a run computed; saved configs drop them.
-RETIRED_KEYS = ("model.param_dtype",)
+RETIRED_KEYS = ("model.param_dtype", "model.style")
 
 
 def with_schema_defaults(saved: dict) -> dict:

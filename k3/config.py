@@ -24,7 +24,6 @@ def default_config() -> ConfigDict:
     c.steps = 150  # optimizer steps
 
     m = c.model = ConfigDict()
-    m.style = "k3"  # 'k3' or 'k2': documentation only, the knobs below decide
     m.vocab_size = 2048
     m.d_model = 128
     m.n_layers = 8
@@ -143,7 +142,6 @@ def default_config() -> ConfigDict:
 
 
 _CHOICES = {
-    "model.style": ("k3", "k2"),
     "model.mixer": ("hybrid", "mla"),
     "model.activation": ("situ", "swiglu"),
     "model.residual": ("attn_res", "plain"),

@@ -28,7 +28,7 @@ def run_cfg(style: str, mesh: dict, optimizer: str = "muon", **moe):
     # Two layers keep each mesh's compile short: KDA + MLA (k3) or MLA + MLA (k2), both MoE.
     c.model = tiny_model_cfg(n_layers=2, mla_period=2)
     if style == "k2":
-        c.model.update(dict(style="k2", mixer="mla", activation="swiglu", residual="plain"))
+        c.model.update(dict(mixer="mla", activation="swiglu", residual="plain"))
         c.model.mla.update(dict(use_rope=True, output_gate=False))
         c.model.moe.update(dict(latent_dim=0, balancing="sign"))
         c.optim.update(dict(qk_clip=True, schedule="wsd"))
@@ -233,8 +233,8 @@ def test_workdir_of_an_older_schema_is_still_this_run(tmp_path):
     write_run_file(cfg, tmp_path)
     saved = json.loads((tmp_path / "run.json").read_text())
     del saved["identity"]["model"]["moe"]["capacity_factor"]
-    saved["identity"]["model"]["param_dtype"] = "float32"  # a retired key that never had an effect
-    saved["config"]["model"]["param_dtype"] = "float32"
+    for key, value in (("param_dtype", "float32"), ("style", "k3")):  # retired keys that had no effect
+        saved["identity"]["model"][key] = saved["config"]["model"][key] = value
     (tmp_path / "run.json").write_text(json.dumps(saved))
     (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # the identity guards a run's checkpoints
     assert check_workdir(cfg, tmp_path) is True  # accepted: the same run

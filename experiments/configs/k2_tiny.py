@@ -7,7 +7,6 @@ def get_config():
     c = default_config()
     c.name = "k2_tiny"
     m = c.model
-    m.style = "k2"
     m.mixer = "mla"
     m.activation = "swiglu"
     m.residual = "plain"

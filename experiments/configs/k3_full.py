@@ -7,7 +7,6 @@ def get_config():
     c = default_config()
     c.name = "k3_full"
     m = c.model
-    m.style = "k3"
     m.vocab_size = 163840
     m.d_model = 7168
     m.n_layers = 93

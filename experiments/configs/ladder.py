@@ -52,7 +52,6 @@ def arm_config(arm: str, d_model: int, n_layers: int = 0):
     c = default_config()
     c.name = f"ladder_{arm}_{d_model}"
     m = c.model
-    m.style = "k3" if arm == "k3" else "k2"
     m.d_model = d_model
     m.n_layers = n_layers or default_depth(d_model)
     m.vocab_size = 4096
