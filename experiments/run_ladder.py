@@ -325,6 +325,8 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
         train_iter.set_state(meta["data"])
         return st
 
+    lr_at = jax.jit(wsd_lr)  # one dispatch per step rather than one per jnp op of the formula
+
     def advance(st, start, stop, cool_start, end, save):
         """Steps [start, stop) of a trajectory whose cooldown runs from cool_start to end."""
         pending = []  # device losses: read back in groups so the host does not wait on every step
@@ -339,7 +341,7 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
 
         for t in range(start, stop):
             t1 = time.perf_counter()
-            st["lr"] = wsd_lr(t, run["lr"], warmup, cool_start, end, ladder.min_lr_ratio)
+            st["lr"] = lr_at(t, run["lr"], warmup, cool_start, end, ladder.min_lr_ratio)
             st, m = job.train_step(st, job.put_batch(next(train_iter)))
             pending.append((t, m["loss"]))
             save_now = save and ((t + 1) % ckpt_every == 0 or (t + 1) in keep_steps)

@@ -75,7 +75,7 @@ def wsd_lr(t, peak: float, warmup: int, cool_start: int, end: int, min_ratio: fl
     """
     t = jnp.asarray(t, jnp.float32)
     lo = peak * min_ratio
-    frac = jnp.clip((t - cool_start + 1) / max(end - cool_start, 1), 0.0, 1.0)
+    frac = jnp.clip((t - cool_start + 1) / jnp.maximum(end - cool_start, 1), 0.0, 1.0)
     cool = lo + (peak - lo) * (1.0 - jnp.sqrt(frac))
     return jnp.where(t < warmup, peak * (t + 1) / (warmup + 1), jnp.where(t < cool_start, peak, cool))
 

@@ -174,9 +174,9 @@ def _strip(G_ref, r, C):
     return row_f, col_f
 
 
-def _row_tiles(x, nb):
-    """[C, ...] -> nb row tiles [16, ...] (an equal power-of-two split, which Triton lowers)."""
-    return [x] if nb == 1 else jnp.split(x, nb, axis=0)
+def _row_tiles(x, nb, axis=0):
+    """[C, ...] -> nb tiles of 16 along ``axis`` (an equal power-of-two split, which Triton lowers)."""
+    return [x] if nb == 1 else jnp.split(x, nb, axis=axis)
 
 
 def _last_decay(G_ref, mf_ref, n, C):
@@ -225,7 +225,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     eye = (_iota((_SUB, _SUB), 0) == _iota((_SUB, _SUB), 1)).astype(f32)
     T, w, u = [], [], []
     for r in range(nb):
-        L_r = [L[r]] if nb == 1 else jnp.split(L[r], nb, axis=1)  # tiles L_rs [16, 16]
+        L_r = _row_tiles(L[r], nb, axis=1)  # tiles L_rs [16, 16]
         rhs = (col == _iota((_SUB, C), 0) + r * _SUB).astype(f32)
         for s_ in range(r):
             rhs = rhs - _mm(L_r[s_], T[s_], pt)
