@@ -76,7 +76,9 @@ def categorize(name: str, context: str) -> str:
         return "fp32 matmuls"
     if matmul:
         return "dense matmuls"
-    if _COPY.search(text):
+    # The kernel's name only: JAX names backward-pass ops "transpose(jvp(...))" in their scopes,
+    # which says nothing about whether the kernel moves data.
+    if _COPY.search(name.lower()):
         return "copies/transposes"
     return "norms/elementwise"
 
@@ -147,7 +149,7 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
         pids = {e["pid"] for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})}
     per_cat = collections.Counter()
     per_kernel = collections.Counter()
-    kernel_cat, samples = {}, []
+    kernel_cat, kernel_scope, samples = {}, {}, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in pids or "dur" not in e:
             continue
@@ -163,10 +165,12 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
         per_cat[cat] += e["dur"] / 1e3 / n_steps
         per_kernel[e["name"]] += e["dur"] / 1e3 / n_steps
         kernel_cat[e["name"]] = cat
+        kernel_scope.setdefault(e["name"], scopes[:300])
     total = sum(per_cat.values())
     return {"total_ms": total, "ms": {c: per_cat.get(c, 0.0) for c in CATEGORIES},
             "share": {c: per_cat.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [(k, ms, kernel_cat[k]) for k, ms in per_kernel.most_common(25)],
+            "top_scopes": {k: kernel_scope[k] for k, _ in per_kernel.most_common(60)},
             "kernels": {k: [ms, kernel_cat[k]] for k, ms in per_kernel.items()}, "sample_events": samples}
 
 

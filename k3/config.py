@@ -40,7 +40,7 @@ def default_config() -> ConfigDict:
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
     m.remat = False  # rematerialise each scanned layer group in the backward pass
-    m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots'
+    m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels', 'matmuls_kernels'
     m.scan_layers = True
 
     a = m.mla = ConfigDict()

@@ -22,6 +22,7 @@ from k3.mla.layer import MLA, qk_clip
 from k3.moe.layer import MoE, new_bias
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder, constrain
+from pallas_kernels.common import ATTENTION_RESIDUALS, KDA_RESIDUALS
 
 _ACT_BTD = ("batch", "seq", "act_embed")
 
@@ -42,6 +43,29 @@ def _keep_projections():
     experts, the router), recompute the rest (norms, gates, attention and KDA kernels, batched
     expert GEMMs): less recomputation than 'full' for the memory of the projection outputs."""
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+_KERNEL_RESIDUALS = (KDA_RESIDUALS, ATTENTION_RESIDUALS)
+
+
+@REMAT_POLICIES.register("dots_kernels")
+def _keep_projections_and_kernel_residuals():
+    """'dots', plus what the Pallas KDA and flash-attention kernels save for their backward (named
+    by their custom_vjps): their forward kernels run once instead of again inside the backward pass,
+    for the memory of those residuals (KDA: w, qg, kg, v_new, Aqk, T and the per-chunk states, about
+    eight [B, T, H, K] arrays per layer; attention: o and the log-sum-exp)."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*_KERNEL_RESIDUALS))
+
+
+@REMAT_POLICIES.register("matmuls_kernels")
+def _keep_all_matmuls_and_kernel_residuals():
+    """'dots_kernels', plus the outputs of batched matmuls (the routed experts' grouped GEMMs), which
+    'dots' recomputes: the least recomputation short of no remat."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names(*_KERNEL_RESIDUALS))
 
 
 def _constrain_stream(stream: dict, sharder: Sharder | None) -> dict:
@@ -286,6 +310,42 @@ def walk_layers(model: Model, carry, step, slots: dict | None = None, write=repl
         new["body"] = body
     carry = unrolled("tail", model.tail_idx, model.tail_layers, carry)
     return carry, (None if slots is None else new), outs
+
+
+def _repeat_of(var: nnx.Variable, r: int) -> nnx.Variable:
+    """Repeat ``r`` of a body variable stacked over the repeats, its logical axes without 'layers'."""
+    meta = {k: v for k, v in var.get_metadata().items() if k not in ("eager_sharding", "hijax", "ref")}
+    axes = meta.get("out_sharding")
+    if axes is not None and len(axes) == var.ndim and axes[0] == "layers":
+        meta["out_sharding"] = tuple(axes[1:])
+    return type(var)(var[...][r], **meta)
+
+
+def unrolled(model: Model) -> Model:
+    """The same model with every layer unrolled: the scanned body's stacked weights split into one
+    module per layer (the arrays of ``model`` are not changed; head, tail and the rest are shared).
+
+    For decoding. A scan over the body slices each layer's weights out of their stack at every step,
+    which is a copy of all body weights per generated token; unrolled layers read their own arrays in
+    place. The cost is one copy of the body weights when this runs (inside a jitted decode loop: once,
+    before the loop) and compile time that grows with depth. Caches and per-layer outputs follow the
+    returned model's layout: every layer under 'head' (`per_layer`, `walk_layers`).
+    """
+    if model.body is None:
+        return model
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, state)  # a new module tree over the same arrays
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    body = []
+    for r in range(out.body_repeats):
+        for layer in out.body.layers:
+            g, st = nnx.split(layer)
+            body.append(nnx.merge(g, jax.tree.map(lambda v, r=r: _repeat_of(v, r), st, is_leaf=is_var)))
+    out.head_layers = nnx.List(list(out.head_layers) + body + list(out.tail_layers))
+    out.head_idx = tuple(range(len(out.head_layers)))
+    out.tail_layers, out.tail_idx = nnx.List([]), ()
+    out.body, out.body_repeats = None, 0
+    return out
 
 
 def per_layer(model: Model, fn) -> dict:

@@ -1,11 +1,12 @@
 """Where the Pallas KDA kernel's time goes: each of its kernels timed on its own.
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
-        [--iters=10] [--launch=intra_fwd=8/1,...] [--out=FILE.json]
+        [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split] [--out=FILE.json]
 
 A variant is chunk_size:matmul_dtype[:bk[:bki]] (key blocks of the strip backward and of the
 inter-chunk backward; default: the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
-launch parameters of `pallas_kernels.kda._LAUNCH`. Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
+launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels after the reverse chain
+(`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
 [-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
 --iters calls after 3 warm-ups, wall clock with block_until_ready). Prints a table and writes JSON.
 """
@@ -36,12 +37,12 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
-def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=None):
+def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=None, backward="auto"):
     """Median ms and compile s of each forward and backward kernel for one shape and variant.
 
     bk, bki: key blocks of the strip and inter-chunk backward kernels (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
-    time (default all)."""
+    time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
@@ -54,7 +55,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=Non
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
     cfg = dataclasses.replace(cfg, BK=min(bk, cfg.K) if bk else cfg.BK, BKI=min(bki, cfg.K) if bki else cfg.BKI,
-                              launch=tuple(launch))
+                              launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward)
     wanted = set(kernels or P._LAUNCH)
     rows = {}
 
@@ -70,6 +71,9 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=Non
     dht = jnp.zeros_like(ht)
     dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
     timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
+    if cfg.backward == "fused":
+        timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a), (q, k, v, G, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
+        return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
     inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
     timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
     dq0, dk0, dG0, dw = P._inter_bwd(cfg, *inter_args)
@@ -98,15 +102,18 @@ def main(argv=None):
     p.add_argument("--variants", default="64:float32,32:float32")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--launch", type=parse_launch, default=())
+    p.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
-    report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, variants={})
+    report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, backward=args.backward,
+                  variants={})
     print("| variant | kernel | ms | share | compile s |\n|---|---|---|---|---|")
     for variant in args.variants.split(","):
         chunk, dtype, *blocks = variant.split(":")
         try:
-            rows = split(shape, int(chunk), dtype, args.iters, *(int(b) for b in blocks), launch=args.launch)
+            rows = split(shape, int(chunk), dtype, args.iters, *(int(b) for b in blocks), launch=args.launch,
+                         backward=args.backward)
         except Exception as exc:  # keep the other variants
             report["variants"][variant] = dict(error=repr(exc)[:500])
             print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)

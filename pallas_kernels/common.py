@@ -7,6 +7,12 @@ import os
 import jax
 import jax.numpy as jnp
 
+# `jax.ad_checkpoint.checkpoint_name` labels of what each kernel's custom_vjp saves for its backward,
+# so a remat policy can keep them (`k3.model.REMAT_POLICIES`) instead of running the kernel's
+# forward a second time inside the backward pass.
+KDA_RESIDUALS = "kda_residuals"
+ATTENTION_RESIDUALS = "attention_residuals"
+
 
 def default_interpret() -> bool:
     """Whether kernels called with ``interpret=None`` run in Pallas interpret mode: off a GPU, or as

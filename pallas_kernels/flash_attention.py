@@ -35,9 +35,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, document_index, pow2_at_least_16
+from pallas_kernels.common import ATTENTION_RESIDUALS, default_interpret, document_index, pow2_at_least_16
 
 __all__ = ["flash_attention", "document_bounds"]
 
@@ -242,6 +243,7 @@ def _attend(cfg, q, k, v, seg, start, end):
 
 def _attend_fwd(cfg, q, k, v, seg, start, end):
     o, lse = _forward(cfg, q, k, v, seg, start)
+    o, lse = checkpoint_name((o, lse), ATTENTION_RESIDUALS)
     return o, (q, k, v, seg, start, end, o, lse)
 
 

@@ -27,6 +27,11 @@ chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 be
               _state_fwd   (V/BV, H, B)      the state chain (two matmuls a step): v_new, per-chunk states
               _output_fwd  (NT, H, B)        o = qg S_in + Aqk v_new
     backward  _state_bwd   (V/BV, H, B)      reverse chain: dh per chunk, dv_new, d initial state
+              _chunk_bwd   (NT, H, B)        K <= 64: the rest, one program per chunk: dv, dL = -T^T dT T^T
+                                             and dAqk over the whole chunk (dT summed over key blocks of
+                                             BK), then per key block the terms through the states and,
+                                             by row strips, dq, dk, dGamma; dbeta over all keys
+              or, K > 64, the same in three kernels (`_AFTER_CHAIN`):
               _inter_bwd   (NT, K/BKI, H, B) the terms through the states (dq, dk, dGamma parts; dw)
               _pairs_bwd   (NT, H, B)        whole-chunk: dv, dbeta (values), dL = -T^T dT T^T, dAqk
               _intra_bwd   (NT, K/BK, H, B)  by row strips: the rest of dq, dk, dGamma, dbeta (keys)
@@ -68,9 +73,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, document_index, pow2_at_least_16
+from pallas_kernels.common import KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16
 from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = ["chunk_kda"]
@@ -88,15 +94,16 @@ class _Cfg:
     K: int  # padded key dim
     V: int  # padded value dim
     BV: int  # value block of the sequential kernels
-    BK: int  # key block of the strip backward kernel
+    BK: int  # key block of the backward's strip part (fused: a static loop inside the program)
     NT: int  # chunks per row
     scale: float
     mm_dtype: str  # operand and storage dtype of the large matmuls: 'bfloat16' or 'float32'
     h_dtype: str  # storage of the per-chunk states and their gradients
     interpret: bool
     exact: bool  # full-fp32 matmuls; otherwise fp32 operands may run as TF32 on the GPU
-    BKI: int = 0  # key block of the inter-chunk backward kernel (0: BK)
     launch: tuple = ()  # ((kernel, warps, stages), ...) overriding _LAUNCH
+    backward: str = "fused"  # `_AFTER_CHAIN` entry: the backward kernels after the reverse chain
+    BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
 
     def __post_init__(self):
         if not self.BKI:
@@ -123,7 +130,7 @@ class _Cfg:
 # Measured on the H200 at chunk 32 (BENCHMARKS.md): 4 warps beat 8 for every kernel; pipelining the
 # chains (stages 2) did not pay, as their next chunk's loads are already issued ahead by hand.
 _LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "output_fwd": (4, 1), "state_bwd": (4, 1),
-           "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1)}
+           "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1)}
 
 
 def _mm(a, b, prec):
@@ -159,18 +166,19 @@ def _neumann_inverse(L, eye, prec):
     return P
 
 
-def _strip(G_ref, r, C):
+def _strip(G_ref, r, C, keys=slice(None)):
     """Decay factors of row strip r (tokens 16r..16r+15) against every column of the chunk, around
     the strip's middle token mu: the row factor e^{Gamma_i - mu} [16, K] and the column factor
     e^{mu - Gamma_j} [C, K], zero for the columns j >= 16(r + 1) that no row of the strip sees.
+    ``keys`` selects a block of key channels (every channel is independent).
 
     Inside the strip |Gamma - mu| <= 8 |lower_bound| (finite for lower_bound >= -10); earlier columns
     have mu - Gamma_j <= 0, so nothing overflows and one matmul gives the whole strip of pairs.
     """
-    mu = G_ref[pl.ds(r * _SUB + _SUB // 2, 1), :]
-    row_f = jnp.exp(G_ref[pl.ds(r * _SUB, _SUB), :] - mu)
+    mu = G_ref[pl.ds(r * _SUB + _SUB // 2, 1), keys]
+    row_f = jnp.exp(G_ref[pl.ds(r * _SUB, _SUB), keys] - mu)
     live = _iota((C, 1), 0) < (r + 1) * _SUB
-    col_f = jnp.exp(jnp.where(live, mu - G_ref[...], -jnp.inf))
+    col_f = jnp.exp(jnp.where(live, mu - G_ref[:, keys], -jnp.inf))
     return row_f, col_f
 
 
@@ -306,6 +314,113 @@ def _state_bwd_kernel(qg_ref, kg_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, dht
 
     dSt, _ = lax.fori_loop(0, NT, body, (dht_ref[...].astype(jnp.float32), load(NT - 1)))
     dh0_ref[...] = dSt
+
+
+def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_ref, t_ref, h_ref,
+                      dh_ref, do_ref, vn_ref, dvn_ref, dq_ref, dk_ref, dv_ref, dG_ref, dbeta_ref,
+                      *, cfg: _Cfg):
+    """One chunk and head: everything of the backward that follows the state chain.
+
+    1. Whole chunk (no strip factors): from dv_new back through u = T (beta v) to dv and the value
+       part of dbeta; dw = -dv_new S_in^T per key block and dT = dv_new (beta v)^T + dw kb^T summed
+       over the key blocks; dL = -T^T dT T^T and dAqk (both masked to the pairs that exist).
+    2. Per key block [C, BK] (every term is per key channel): the terms through the states
+       (o = qg S_in, S_out = decay S_in + kg^T v_new, v_new = u - w S_in), then dkb = T^T dw and,
+       by row strips, dL and dAqk back through the factorisation of `_strip`. Per strip r with
+       P = (x_r row_f) (k col_f)^T: d(x_r) = row_f (dP kc), d(k) = col_f (dP^T xr),
+       dGamma_r += xr (dP kc), dGamma -= kc (dP^T xr); dbeta gathers every key block's part.
+
+    dw, dL, dAqk and the state terms stay in registers; the outputs are stored after every load.
+    """
+    f32, md, pm, pt, C, BK = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.C, cfg.BK
+    nb, nk = C // _SUB, cfg.K // BK
+    blocks = [pl.ds(j * BK, BK) for j in range(nk)]
+    T = t_ref[...]
+    beta = beta_ref[...].astype(f32)
+    mf = mf_ref[...]
+    bmf = (beta * mf)[:, None]
+    dvn = dvn_ref[...]
+    dvn_m, dO, vn = dvn.astype(md), do_ref[...].astype(md), vn_ref[...].astype(md)
+    v = v_ref[...].astype(f32)
+
+    def dw_of(blk):  # v_new = u - w S_in
+        return -_mm(dvn_m, h_ref[:, blk].astype(md), pm)
+
+    # 1. Whole chunk. w = T kb with kb = beta mf k e^Gamma; dT needs dw kb^T over all key channels.
+    dvb = _mm_tn(T, dvn, pt)
+    dT = _mm_nt(dvn, beta[:, None] * v, pt)
+    dw_kept = []
+    for blk in blocks:
+        dw = dw_of(blk)
+        kb = bmf * k_ref[:, blk].astype(f32) * jnp.exp(G_ref[:, blk])
+        dT = dT + _mm_nt(dw, kb, pt)
+        if nk == 1:  # one block: keep it; several: recompute each in step 2 (registers)
+            dw_kept.append(dw)
+    row, col = _iota((C, C), 0), _iota((C, C), 1)
+    doc = doc_ref[...]
+    same = doc[:, None] == doc[None, :]
+    dL = jnp.where((row > col) & same, -_mm_nt(_mm_tn(T, dT, pt), T, pt), 0.0)
+    dA = jnp.where((row >= col) & same, cfg.scale * _mm_nt(dO, vn, pm), 0.0)
+    dL_r, dA_r = _row_tiles(dL, nb), _row_tiles(dA, nb)
+    dv = (beta[:, None] * dvb).astype(dv_ref.dtype)
+    dbeta = jnp.sum(v * dvb, axis=1)
+
+    # 2. Per key block.
+    keep_state = mf_ref[pl.ds(C - 1, 1)][None, :]
+    last_row = _iota((C, 1), 0) == C - 1
+    row_dbeta = [0.0] * nb
+    out = []  # (dq, dk, dG) row tiles of each key block
+    for j, blk in enumerate(blocks):
+        q, k, G = q_ref[:, blk].astype(f32), k_ref[:, blk].astype(f32), G_ref[:, blk]
+        eG = jnp.exp(G)
+        G_end = G_ref[pl.ds(C - 1, 1), blk]
+        h, dh = h_ref[:, blk], dh_ref[:, blk]  # S_in^T, dS_out^T [V, BK]
+        dd = jnp.sum(h.astype(f32) * dh.astype(f32), axis=0)[None, :]  # d decay [1, BK]
+        # qg = scale q e^Gamma on the rows that see the state
+        dq = cfg.scale * eG * mf[:, None] * _mm(dO, h.astype(md), pm)
+        # kg = k e^{Gamma_end - Gamma} on the rows of the chunk's last document
+        dk = jnp.exp(G_end - G) * ml_ref[...][:, None] * _mm(vn, dh.astype(md), pm)
+        kg_dkg = k * dk
+        dG_end = keep_state * jnp.exp(G_end) * dd + jnp.sum(kg_dkg, axis=0)[None, :]
+        dG = q * dq - kg_dkg + jnp.where(last_row, dG_end, 0.0)
+
+        dkb = _mm_tn(T, dw_kept[j] if nk == 1 else dw_of(blk), pt)  # w = T kb
+        k_eG_dkb = k * eG * dkb
+        dk = dk + bmf * eG * dkb
+        dG = dG + bmf * k_eG_dkb
+        dbeta = dbeta + mf * jnp.sum(k_eG_dkb, axis=1)
+
+        # Column-side terms accumulate over the strips in [C, BK]; row-side terms stay per strip.
+        row_dq, row_dk, row_dG = [], [], []
+        for r in range(nb):
+            rows = pl.ds(r * _SUB, _SUB)
+            row_f, col_f = _strip(G_ref, r, C, blk)
+            kc = k * col_f
+            rq = q_ref[rows, blk].astype(f32) * row_f
+            rk = k_ref[rows, blk].astype(f32) * row_f
+            row_dbeta[r] = row_dbeta[r] + jnp.sum(dL_r[r] * _mm_nt(rk, kc, pt), axis=1)
+            dP = beta_ref[rows].astype(f32)[:, None] * dL_r[r]
+            Xq, Xk = _mm(dA_r[r], kc, pt), _mm(dP, kc, pt)
+            Y = _mm_tn(dA_r[r], rq, pt) + _mm_tn(dP, rk, pt)
+            dk = dk + col_f * Y
+            dG = dG - kc * Y
+            row_dq.append(row_f * Xq)
+            row_dk.append(row_f * Xk)
+            row_dG.append(rq * Xq + rk * Xk)
+        tiles = zip(_row_tiles(dq, nb), _row_tiles(dk, nb), _row_tiles(dG, nb), row_dq, row_dk, row_dG)
+        out.append([((dq_r + a).astype(dq_ref.dtype), (dk_r + b).astype(dk_ref.dtype), dG_r + c)
+                    for dq_r, dk_r, dG_r, a, b, c in tiles])
+
+    dv_ref[...] = dv
+    for r, db_r in enumerate(_row_tiles(dbeta, nb)):
+        rows = pl.ds(r * _SUB, _SUB)
+        dbeta_ref[rows] = db_r + row_dbeta[r]
+        for blk, tiles in zip(blocks, out):
+            dq_ref[rows, blk], dk_ref[rows, blk], dG_ref[rows, blk] = tiles[r]
+
+
+# The same backward as three kernels (inter-chunk terms, whole-chunk pairs, strips), the dq0/dk0/dG0/dw
+# and dA/dL intermediates going through memory: at K = 128 the fused kernel spills (BENCHMARKS.md).
 
 
 def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
@@ -453,19 +568,6 @@ def _seq_specs(cfg):
     return tok, vblk, per_row, states, one_state
 
 
-def _kblock_specs(cfg, BK):
-    """BlockSpecs for the grid (NT, K / BK, H, B) of the key-blocked backward kernels."""
-    C = cfg.C
-    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
-
-    def tok(D):
-        return pl.BlockSpec((None, C, None, D), lambda n, j, h, b: (b, n, h, 0))
-
-    per_tok = pl.BlockSpec((None, C, None), lambda n, j, h, b: (b, n, h))
-    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
-    return kblk, tok, per_tok, per_row
-
-
 def _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml):
     """w, qg, kg [B, Tp, H, K], u [B, Tp, H, V], Aqk and T [B, Tp, H, C] for every chunk."""
     B, Tp, H, _ = q.shape
@@ -525,6 +627,35 @@ def _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht):
                  )(qg, kg, G, w, aqk, do, mf, dht)
 
 
+def _chunk_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+    """dq, dk [B, Tp, H, K], dv [B, Tp, H, V], dGamma [B, Tp, H, K] fp32 and dbeta [B, Tp, H] fp32,
+    one program per chunk and head (key blocks of cfg.BK inside it)."""
+    B, Tp, H, K = q.shape
+    C, V, NT = cfg.C, cfg.V, cfg.NT
+    tok, per_tok, per_row, state = _chunk_specs(cfg)
+    return _call(cfg, _chunk_bwd_kernel, "chunk_bwd", (NT, H, B),
+                 [tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row, per_row, tok(C), state,
+                  state, tok(V), tok(V), tok(V)],
+                 [tok(K), tok(K), tok(V), tok(K), per_tok],
+                 [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
+                  jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)],
+                 )(q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
+
+
+def _kblock_specs(cfg, BK):
+    """BlockSpecs for the grid (NT, K / BK, H, B) of the key-blocked backward kernels."""
+    C = cfg.C
+    kblk = pl.BlockSpec((None, C, None, BK), lambda n, j, h, b: (b, n, h, j))
+
+    def tok(D):
+        return pl.BlockSpec((None, C, None, D), lambda n, j, h, b: (b, n, h, 0))
+
+    per_tok = pl.BlockSpec((None, C, None), lambda n, j, h, b: (b, n, h))
+    per_row = pl.BlockSpec((None, C), lambda n, j, h, b: (b, n))
+    return kblk, tok, per_tok, per_row
+
+
 def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
     """Inter-chunk parts of dq, dk, dGamma and dw, each [B, Tp, H, K] fp32; every term is per key
     channel, so the grid splits the keys into blocks."""
@@ -569,13 +700,25 @@ def _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
                  )(q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
 
 
-def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
-    dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
+def _split_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+    """`_chunk_bwd`'s outputs from the three split kernels."""
     dq0, dk0, dG0, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
     dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
     dq, dk, dG, dbeta_k = _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
-    dbeta = (dbeta_v + jnp.sum(dbeta_k, axis=0)).astype(beta.dtype)
-    return dq, dk, dv, dG, dbeta, dh0
+    return dq, dk, dv, dG, dbeta_v + jnp.sum(dbeta_k, axis=0)
+
+
+# What runs after the reverse state chain (`_Cfg.backward`). Measured on the H200 at chunk 32
+# (BENCHMARKS.md): fused 3.9 ms against split 5.2 ms at K = 32; at K = 128 the fused program spills
+# (11.1 ms with one key block of 128, 29.3 with two of 64) and split takes 5.8 ms.
+_AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd}
+_FUSED_MAX_K = 64
+
+
+def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
+    dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
+    dq, dk, dv, dG, dbeta = _AFTER_CHAIN[cfg.backward](cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
+    return dq, dk, dv, dG, dbeta.astype(beta.dtype), dh0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -586,6 +729,9 @@ def _kda(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
 
 def _kda_fwd(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
     o, ht, saved = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml)
+    # The outputs too: the layer's backward needs o, and an unnamed o would make a remat policy that
+    # keeps the residuals still run the forward kernels again to get it.
+    o, ht, saved = checkpoint_name((o, ht, saved), KDA_RESIDUALS)
     return (o, ht), (q, k, v, G, beta, doc, mf, ml, *saved)
 
 
@@ -631,8 +777,9 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), NT=NT, scale=scale, mm_dtype=matmul_dtype, h_dtype=matmul_dtype,
-               interpret=interpret, exact=not low_precision)
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), NT=NT, scale=scale,
+               mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
+               backward="fused" if K <= _FUSED_MAX_K else "split")
 
     g = jnp.asarray(g).astype(jnp.float32)
     if check_gate:

@@ -79,6 +79,8 @@ def test_categorize_by_scope_and_by_library_kernel_name():
     assert categorize("kda_intra_fwd", "") == "KDA"
     assert categorize("transpose_fusion", "") == "copies/transposes"
     assert categorize("loop_add_fusion", "") == "norms/elementwise"
+    # backward ops carry "transpose(jvp(...))" scopes; only the kernel's name says it is a copy
+    assert categorize("input_add_reduce_fusion", "transpose(jvp(Model))/norm/mul") == "norms/elementwise"
 
 
 def test_trace_parser_maps_kernels_to_scopes_through_the_hlo(tmp_path):

@@ -1,5 +1,6 @@
 """Whole models: tiny K2 and K3 forward/backward, causality, dtypes, layer planning, configs."""
 
+import collections
 import importlib
 import math
 
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax._src.interpreters import partial_eval as pe
+from jax._src.pallas.pallas_call import pallas_call_p
 
 from conftest import forward, tiny_model_cfg
 from k3.config import ConfigError, default_config, layer_kinds, validate
@@ -165,3 +168,61 @@ def test_remat_of_unrolled_and_scanned_layers_keeps_loss_and_gradients():
         np.testing.assert_allclose(l1, l0, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def _live_kernel_calls(jaxpr) -> collections.Counter:
+    """Pallas kernels by name that a jaxpr still runs once dead calls are removed (JAX keeps every
+    pallas_call; XLA drops a kernel whose outputs nothing reads, so count as XLA would)."""
+    def dce_rule(used_outs, eqn):
+        return ([True] * len(eqn.invars), eqn) if any(used_outs) else ([False] * len(eqn.invars), None)
+
+    keep = pe.dce_rules[pallas_call_p]
+    pe.dce_rules[pallas_call_p] = dce_rule
+    try:
+        live, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    finally:
+        pe.dce_rules[pallas_call_p] = keep
+    counts = collections.Counter()
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive is pallas_call_p:
+                counts[str(eqn.params["name"])] += 1
+            for val in eqn.params.values():
+                for sub in val if isinstance(val, (list, tuple)) else [val]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr) and eqn.primitive is not pallas_call_p:
+                        walk(sub)
+
+    walk(live)
+    return counts
+
+
+def test_kernel_residual_policies_run_each_forward_kernel_once():
+    """Under 'dots' a rematerialised layer runs the Pallas KDA and flash-attention forward kernels
+    twice (forward, and again in the backward pass); 'dots_kernels' keeps what their custom_vjps
+    name, so each runs once. Loss and gradients do not change."""
+    cfg = tiny_model_cfg(**{"kda.impl": "pallas", "mla.attention_impl": "flash", "dtype": "bfloat16"})
+    kinds = [mixer for mixer, _ in layer_kinds(cfg)]
+    n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
+    tokens = jax.random.randint(jax.random.key(5), (2, 24), 0, cfg.vocab_size)
+    results = []
+    for policy, runs in (("dots", 2), ("dots_kernels", 1)):
+        cfg.remat, cfg.remat_policy = True, policy
+        graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+        def loss(params):
+            logits, _ = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
+            return cross_entropy(logits, tokens[:, 1:])
+
+        calls = _live_kernel_calls(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+        for name in ("kda_intra_fwd", "kda_state_fwd", "kda_output_fwd"):
+            assert calls[name] == runs * n_kda, (policy, dict(calls))
+        assert calls["flash_doc_fwd"] == runs * n_mla, (policy, dict(calls))
+        assert calls["kda_state_bwd"] == n_kda and calls["flash_doc_dq"] == n_mla
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (l0, g0), (l1, g1) = results
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-6)

@@ -4,6 +4,7 @@ On the CPU the kernels run in Pallas interpret mode; on a GPU machine `K3_PALLAS
 the same tests on the compiled Triton kernels.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from conftest import tiny_model_cfg
 from k3.model import Model, cross_entropy
 from k3.kda import ops as kda
+from pallas_kernels import kda as pallas_kda
 from pallas_kernels.kda import chunk_kda
 
 LB = -5.0
@@ -146,6 +148,34 @@ def test_packed_documents_equal_separate_runs(x64, chunk_size):
     # Gradients through the packed row against the float64 recurrence with the same resets.
     _check((q, k, v, g, beta, h0, do, dht), jnp.float32, 1e-5, 1e-4, segment_ids=jnp.asarray(seg),
            chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("backward,bk", [("fused", 32), ("fused", 64), ("split", 32)])
+def test_backward_kernels_equal_reference_gradient(x64, backward, bk):
+    """Both backward plans (`_AFTER_CHAIN`) at an awkward size against the gradient of the jnp chunked
+    reference: T = 77 (not a multiple of the chunk), K = 48 padded to 64 (two key blocks of 32 when
+    bk = 32, one of 64 otherwise), V = 40, packed documents with boundaries inside chunks."""
+    B, T, H, K, V = 2, 77, 2, 48, 40
+    args = [np.asarray(np.asarray(x, np.float32), np.float64)
+            for x in _inputs(np.random.default_rng(bk), B, T, H, K, V)]
+    seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [20, 33, 24]), np.repeat([7, 8], [64, 13])]), jnp.int32)
+
+    def kernel(q, k, v, g, beta, initial_state, output_final_state):
+        cfg, inputs = pallas_kda._prepare(q, k, v, g, beta, scale=None, initial_state=initial_state,
+                                          segment_ids=seg, interpret=None, chunk_size=32,
+                                          lower_bound=LB, check_gate=False, matmul_dtype=None)
+        assert (cfg.K, cfg.BK, cfg.backward) == (64, 64, "fused")
+        cfg = dataclasses.replace(cfg, BK=bk, backward=backward)
+        o, ht = pallas_kda._kda(cfg, *inputs)
+        return o[:, :T, :, :V], ht.swapaxes(-1, -2)[:, :, :K, :V]
+
+    f32 = [jnp.asarray(a, jnp.float32) for a in args]
+    o, ht, grads = jax.jit(_value_and_grads, static_argnums=0)(kernel, *f32)
+    ref = functools.partial(kda.chunk_kda_reference, segment_ids=seg, chunk_size=32)
+    ro, rht, rgrads = _value_and_grads(ref, *map(jnp.asarray, args))
+    errs = {"o": _rel(o, ro), "ht": _rel(ht, rht)}
+    errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, rgrads)})
+    assert all(e < 1e-5 for e in errs.values()), errs
 
 
 def test_without_initial_or_final_state(x64):
