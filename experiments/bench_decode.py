@@ -1,14 +1,21 @@
 """Decode speed and memory: a small K3 against an all-MLA model of the same shape, at long contexts.
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--batch=8] [--steps=64]
-        [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--profile_top=0] [--json=PATH]
+        [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=unrolled|scanned]
+        [--profile_top=0] [--hbm_bytes_per_s=0] [--json=PATH]
 
 Both models are `experiments.configs.ladder`'s K3 arm at the given width and depth; the second one
 swaps every KDA layer for (Gated, NoPE) MLA. The cache is filled with random values at the context
 length (a decode step's cost does not depend on what the cache holds, and a real 128K prefill is not
 what is measured), then ``--steps`` greedy decode steps run under one jit with the cache donated.
-Reported: tokens/s (batch x steps / time, median of 3 repeats), the cache's and the weights' bytes, and
-the compiled step's scratch memory (XLA's memory analysis: what the step needs beyond its arguments).
+Reported: tokens/s (batch x steps / time, median of 3 repeats), the cache's and the weights' bytes, the
+compiled step's scratch memory (XLA's memory analysis: what the step needs beyond its arguments), and
+the step's bandwidth floor: the bytes a step must move (`floor_bytes`) over the device's HBM bandwidth
+(`k3.hardware.HBM_BYTES_PER_S`, or ``--hbm_bytes_per_s``), with each row's time as a multiple of it.
+
+``--layers=unrolled`` (default) serves the weights split per layer (`k3.model.unrolled`, done once
+before timing, as a server would at load time); ``scanned`` keeps the training layout, whose decode
+step slices every body layer's weights out of their stack.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from flax import nnx
 
 from experiments.configs.ladder import arm_config
 from k3 import decode
-from k3.model import Model
+from k3.hardware import device_hbm_bandwidth
+from k3.model import Model, unrolled
 from k3.params import count_params
 
 
@@ -83,10 +91,34 @@ def random_cache(model, batch: int, context: int, key) -> dict:
     return cache
 
 
+def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int) -> dict:
+    """Bytes one greedy decode step must move at least, by part.
+
+    weights: every non-expert weight once, except the embedding (``batch`` rows); the routed experts
+      in the expected share a step touches, 1 - (1 - k / E)^batch per MoE layer under uniform routing.
+    kda_state: each KDA layer's state and conv rings, read and written back.
+    mla_cache: each MLA layer's latent and rope-key rows up to ``context``, read once.
+    """
+    counts = count_params(cfg)
+    moe = cfg.moe
+    touched = 1 - (1 - moe.top_k / moe.n_experts) ** batch
+    dense = counts["total_params"] - counts["routed_expert_params"] - counts["embedding_params"]
+    weights = (dense + touched * counts["routed_expert_params"] + batch * cfg.d_model) * weight_itemsize
+    kda = mla = 0
+    for c in jax.tree.leaves(cache["layers"], is_leaf=lambda x: isinstance(x, dict) and ("state" in x or "c_kv" in x)):
+        if "state" in c:
+            kda += 2 * sum(x.nbytes for x in jax.tree.leaves(c))
+        else:
+            mla += sum(x.nbytes * context // x.shape[-2] for x in (c["c_kv"], c["k_rope"]))
+    return {"weights": float(weights), "kda_state": float(kda), "mla_cache": float(mla)}
+
+
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
-          weights_dtype: str = "", profile_top: int = 0) -> dict:
+          weights_dtype: str = "", profile_top: int = 0, layers: str = "unrolled", hbm: float = 0.0) -> dict:
     cfg = model_config(kind, d_model, n_layers, dtype)
     model = Model(cfg, rngs=nnx.Rngs(0))
+    if layers == "unrolled":
+        model = unrolled(model)
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
         jax.eval_shape(lambda: decode.init_cache(model, batch, capacity(context)))))
 
@@ -129,9 +161,15 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     dt = statistics.median(times)
     top = device_kernel_times(lambda: compiled(params, cache, tok)[1], profile_top) if profile_top else []
     counts = count_params(cfg)
+    w_item = jnp.dtype(weights_dtype or "float32").itemsize
+    floor = floor_bytes(cfg, cache, batch, context, w_item)
+    rate = device_hbm_bandwidth(hbm)
+    floor_ms = sum(floor.values()) / rate * 1e3 if rate else None
     return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
-            "steps": steps, "weights_dtype": weights_dtype or "float32", "tokens_per_s": batch * steps / dt,
-            "ms_per_step": dt / steps * 1e3,
+            "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
+            "tokens_per_s": batch * steps / dt, "ms_per_step": dt / steps * 1e3,
+            "floor_bytes": floor, "floor_ms": floor_ms,
+            "x_floor": (dt / steps * 1e3) / floor_ms if floor_ms else None,
             "cache_bytes": cache_bytes, "weight_bytes": weight_bytes,
             "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
             "active_params": counts["active_params"], "compile_s": compile_s,
@@ -148,6 +186,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--weights_dtype", default="same",
                    help="dtype the weights are stored in ('same': the compute dtype; 'float32': as trained)")
+    p.add_argument("--layers", default="unrolled", choices=("unrolled", "scanned"),
+                   help="decode with the weights split per layer (as served) or in the scanned training layout")
+    p.add_argument("--hbm_bytes_per_s", type=float, default=0.0,
+                   help="HBM bandwidth for the floor (default: the device's, from k3.hardware)")
     p.add_argument("--profile_top", type=int, default=0,
                    help="also profile one call and list this many device kernels by share of time")
     p.add_argument("--json", default="")
@@ -156,18 +198,22 @@ def main(argv=None):
     for context in (int(x) for x in a.contexts.split(",")):
         for kind in ("k3", "all_mla"):
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
-            rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top))
+            rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
+                              a.layers, a.hbm_bytes_per_s))
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{'context':>9}{'model':>9}{'tok/s':>12}{'ms/step':>10}{'cache MiB':>11}{'scratch MiB':>12}{'K3/all-MLA tok/s':>18}")
+    print(f"\n{'context':>9}{'model':>9}{'tok/s':>12}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}"
+          f"{'cache MiB':>11}{'scratch MiB':>12}{'K3/all-MLA tok/s':>18}")
     for r in rows:
         base = next(x for x in rows if x["context"] == r["context"] and x["model"] == "all_mla")
         temp = f"{r['temp_bytes'] / 2 ** 20:.0f}" if r["temp_bytes"] is not None else "n/a"
-        print(f"{r['context']:>9}{r['model']:>9}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>10.2f}"
+        floor = f"{r['floor_ms']:.3f}" if r["floor_ms"] else "n/a"
+        times = f"{r['x_floor']:.1f}" if r["x_floor"] else "n/a"
+        print(f"{r['context']:>9}{r['model']:>9}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>10.2f}{floor:>10}{times:>9}"
               f"{r['cache_bytes'] / 2 ** 20:>11.1f}{temp:>12}{r['tokens_per_s'] / base['tokens_per_s']:>18.2f}")
     return rows
 

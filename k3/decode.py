@@ -31,7 +31,7 @@ from flax import nnx
 from k3 import attn_res
 from k3.kda.layer import replay_kda
 from k3.mla.layer import write_rows
-from k3.model import replace_slot, per_layer, walk_layers
+from k3.model import per_layer, replace_slot, unrolled, walk_layers
 from k3.nn import cast
 
 
@@ -129,10 +129,12 @@ def prefill(model, tokens_BP: jax.Array, lengths_B: jax.Array, cache: dict, chun
 
 @functools.lru_cache(maxsize=16)
 def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k: int, pad_id: int,
-                 prefill_chunk: int):
+                 prefill_chunk: int, unroll_layers: bool):
     @jax.jit
     def run(params, rest, tokens_BP, lengths_B, stop_ids, key):
         model = nnx.merge(graphdef, params, rest)
+        if unroll_layers:  # split once, before the loop: no per-token copy of the stacked weights
+            model = unrolled(model)
         B = tokens_BP.shape[0]
         cache = init_cache(model, B, max_len)
         last, cache = prefill(model, tokens_BP, lengths_B, cache, prefill_chunk)
@@ -153,13 +155,16 @@ def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k
 
 def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, stop_tokens: Sequence[int] = (), seed: int = 0,
-             pad_id: int = 0, prefill_chunk: int = 512) -> list[list[int]]:
+             pad_id: int = 0, prefill_chunk: int = 512, unroll_layers: bool = True) -> list[list[int]]:
     """Continues each prompt (a batch of different lengths) by up to ``max_new_tokens`` tokens.
 
     One jitted program: a right-padded prefill of all prompts, then a scan of decode steps. A row
     stops after emitting one of ``stop_tokens`` (included in its output). Greedy when
     ``temperature`` <= 0. ``graphdef, params, rest``: the model as `nnx.split(model, nnx.Param, ...)`.
     Prompts longer than ``prefill_chunk`` are prefilled in pieces of that many tokens.
+    ``unroll_layers`` decodes through `k3.model.unrolled` (each layer's weights split out of the
+    scanned stack once per call, so the token loop reads them in place; compile time grows with
+    depth); False keeps the scanned layout.
     Returns the new tokens of each row.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -176,7 +181,7 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
     # Capacity rounded up so that nearby prompt lengths reuse one compiled program.
     max_len = -(-(P + max_new_tokens) // 64) * 64
     fn = _generate_fn(graphdef, max_new_tokens, max_len, float(temperature), int(top_k), int(pad_id),
-                      int(prefill_chunk) if P > prefill_chunk > 0 else 0)
+                      int(prefill_chunk) if P > prefill_chunk > 0 else 0, bool(unroll_layers))
     stop_ids = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     out = np.asarray(fn(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), stop_ids, jax.random.key(seed)))
     stops = set(int(s) for s in stop_tokens)

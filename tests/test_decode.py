@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from k3 import decode
-from k3.model import Model
+from k3.model import Model, unrolled
 from tests.conftest import tiny_model_cfg
 
 TOL = 1e-4
@@ -327,7 +327,38 @@ def test_bench_decode_runs_and_reports_both_models():
     from experiments import bench_decode
 
     rows = bench_decode.main(["--contexts=24", "--batch=2", "--steps=3", "--d_model=64", "--n_layers=4",
-                              "--dtype=bfloat16"])
+                              "--dtype=bfloat16", "--hbm_bytes_per_s=1e12"])
     assert [r["model"] for r in rows] == ["k3", "all_mla"]
+    k3, mla = rows
+    assert k3["floor_bytes"]["kda_state"] > 0 and mla["floor_bytes"]["kda_state"] == 0
+    assert k3["floor_bytes"]["mla_cache"] < mla["floor_bytes"]["mla_cache"]
+    for r in rows:
+        assert r["layers"] == "unrolled" and r["floor_bytes"]["weights"] > 0
+        assert r["floor_ms"] == pytest.approx(sum(r["floor_bytes"].values()) / 1e12 * 1e3)
+        assert r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
     assert all(r["weights_dtype"] == "bfloat16" for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["cache_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_unrolled_model_decodes_like_the_scanned_one(style):
+    """`unrolled` splits the scanned body into one module per layer over the same numbers: every
+    layer unrolled, each weight the matching slice of its stack (logical axes without 'layers'),
+    the same logits, and the same tokens from `generate` with and without it."""
+    model, forward, _ = _model(style)
+    flat = unrolled(model)
+    assert flat.body is None and flat.head_idx == tuple(range(len(flat.head_layers))) and not flat.tail_layers
+    start, period = model.body_start, model.body_period
+    body0 = nnx.state(model.body.layers[0], nnx.Param)
+    layer = nnx.state(flat.head_layers[start + period], nnx.Param)  # repeat 1, position 0
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(body0), jax.tree_util.tree_leaves_with_path(layer)):
+        np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b), err_msg=str(path))
+    for var in jax.tree.leaves(nnx.state(flat, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        axes = var.get_metadata()["out_sharding"]
+        assert "layers" not in axes and len(axes) == var.ndim
+    toks = jax.random.randint(jax.random.key(2), (2, 11), 0, 97)
+    np.testing.assert_allclose(np.asarray(flat(toks)[0]), np.asarray(forward(toks)), atol=TOL, rtol=TOL)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    prompts = [[5, 9, 13], [42]]
+    assert (decode.generate(graphdef, params, rest, prompts, 5)
+            == decode.generate(graphdef, params, rest, prompts, 5, unroll_layers=False))

@@ -287,10 +287,14 @@ class MLA(nnx.Module):
         causal = jnp.tril(jnp.ones((T, T), bool))
         s_old = jnp.where(past[:, None, None, :], s_old * self.scale, -jnp.inf)
         s_new = jnp.where(causal[None, None], s_new * self.scale, -jnp.inf)
-        p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1).astype(cd)
+        # One softmax over [old | new] without concatenating them: a [B, H, T, S + T] copy per
+        # layer and step would grow with the context like the cache read itself.
+        top = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), jnp.max(s_new, axis=-1, keepdims=True))
+        e_old, e_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
+        inv = 1.0 / (jnp.sum(e_old, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True))
         # The output is rounded to the cache dtype, as a fused attention kernel's would be.
-        o_lat = (jnp.einsum("bhts,bsr->bthr", p[..., :S], c_old)
-                 + jnp.einsum("bhtu,bur->bthr", p[..., S:], c_new)).astype(f32)
+        o_lat = (jnp.einsum("bhts,bsr->bthr", (e_old * inv).astype(cd), c_old)
+                 + jnp.einsum("bhtu,bur->bthr", (e_new * inv).astype(cd), c_new)).astype(f32)
         o = jnp.einsum("bthr,rhv->bthv", o_lat, w_kb_v)
         if self.w_gate is not None:
             gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, dt))
