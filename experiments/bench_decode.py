@@ -2,7 +2,7 @@
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=unrolled|scanned]
-        [--profile_top=0] [--hbm_bytes_per_s=0] [--json=PATH]
+        [--mla_decode=auto|xla|pallas] [--profile_top=0] [--hbm_bytes_per_s=0] [--json=PATH]
 
 Both models are `experiments.configs.ladder`'s K3 arm at the given width and depth; the second one
 swaps every KDA layer for (Gated, NoPE) MLA. The cache is filled with random values at the context
@@ -43,9 +43,10 @@ from k3.model import Model, unrolled
 from k3.params import count_params
 
 
-def model_config(kind: str, d_model: int, n_layers: int, dtype: str):
+def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode: str = "auto"):
     cfg = arm_config("k3", d_model, n_layers).model
     cfg.dtype = dtype
+    cfg.mla.decode_impl = mla_decode
     cfg.kda.impl = "recurrent"
     if kind == "all_mla":
         cfg.mixer = "mla"
@@ -114,8 +115,9 @@ def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int
 
 
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
-          weights_dtype: str = "", profile_top: int = 0, layers: str = "unrolled", hbm: float = 0.0) -> dict:
-    cfg = model_config(kind, d_model, n_layers, dtype)
+          weights_dtype: str = "", profile_top: int = 0, layers: str = "unrolled", hbm: float = 0.0,
+          mla_decode: str = "auto") -> dict:
+    cfg = model_config(kind, d_model, n_layers, dtype, mla_decode)
     model = Model(cfg, rngs=nnx.Rngs(0))
     if layers == "unrolled":
         model = unrolled(model)
@@ -167,6 +169,7 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     floor_ms = sum(floor.values()) / rate * 1e3 if rate else None
     return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
             "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
+            "mla_decode": mla_decode,
             "tokens_per_s": batch * steps / dt, "ms_per_step": dt / steps * 1e3,
             "floor_bytes": floor, "floor_ms": floor_ms,
             "x_floor": (dt / steps * 1e3) / floor_ms if floor_ms else None,
@@ -188,6 +191,7 @@ def main(argv=None):
                    help="dtype the weights are stored in ('same': the compute dtype; 'float32': as trained)")
     p.add_argument("--layers", default="unrolled", choices=("unrolled", "scanned"),
                    help="decode with the weights split per layer (as served) or in the scanned training layout")
+    p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")
     p.add_argument("--hbm_bytes_per_s", type=float, default=0.0,
                    help="HBM bandwidth for the floor (default: the device's, from k3.hardware)")
     p.add_argument("--profile_top", type=int, default=0,
@@ -199,7 +203,7 @@ def main(argv=None):
         for kind in ("k3", "all_mla"):
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
             rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
-                              a.layers, a.hbm_bytes_per_s))
+                              a.layers, a.hbm_bytes_per_s, a.mla_decode))
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)

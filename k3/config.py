@@ -56,6 +56,7 @@ def default_config() -> ConfigDict:
     a.norm_eps = 1e-6  # q_a / kv_a norms
     a.attention_impl = "auto"  # k3.mla.ATTENTION: 'auto' ('flash' on GPU, 'xla' elsewhere), 'xla', 'cudnn',
     # 'pallas', 'flash' (document-skipping Pallas kernel)
+    a.decode_impl = "auto"  # k3.mla.DECODE_ATTENTION over the latent cache: 'auto' (= 'xla'), 'xla', 'pallas'
 
     k = m.kda = ConfigDict()
     k.n_heads = 4
@@ -163,6 +164,7 @@ _TABLES = {
     "model.kda.impl": ("k3.kda.ops", "KDA_CORES"),
     "model.moe.expert_impl": ("k3.moe.layer", "EXPERT_BACKENDS"),
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
+    "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
     "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
 }

@@ -3,6 +3,6 @@ QK-Clip and the attention backends' table (`k3.mla.layer`), attention over a seq
 devices (`k3.mla.parallel`), and what a layer costs: attention FLOPs and the bytes it keeps and
 sends (`k3.mla.cost`)."""
 
-from k3.mla.layer import ATTENTION, MLA, attention
+from k3.mla.layer import ATTENTION, DECODE_ATTENTION, MLA, attention
 
-__all__ = ["ATTENTION", "MLA", "attention"]
+__all__ = ["ATTENTION", "DECODE_ATTENTION", "MLA", "attention"]

@@ -18,7 +18,12 @@ restricted to the query's own document when ``segment_ids`` are given; its kerne
 The fused kernels need bf16/fp16 operands; with fp32 compute they run the 'xla' form instead.
 
 Decoding is the layer's too: its latent cache (`MLA.init_cache`), attending new tokens to it
-(`MLA.extend`) and writing their entries into it (`write_rows`).
+(`MLA.extend`) and writing their entries into it (`write_rows`). The attention over the cached
+latents is an entry of `DECODE_ATTENTION`, keyed by ``model.mla.decode_impl``:
+  'xla'           einsums over the whole cache capacity, masked past each row's length (every
+                  platform, and 'auto' everywhere until the kernel is measured on a GPU);
+  'pallas'        `pallas_kernels.mla_decode`: split-S flash decoding that reads each row's cached
+                  latents once and only up to its length; interpreted off the GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +38,56 @@ from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder, spec_axes
 
 ATTENTION = Table("model.mla.attention_impl", default="xla", auto={"gpu": "flash"})
+DECODE_ATTENTION = Table("model.mla.decode_impl", default="xla")
+
+
+@DECODE_ATTENTION.register("xla")
+def decode_attention_xla(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new_BTR, r_new_BTE, start_B,
+                         scale: float) -> jax.Array:
+    """Softmax attention of T new tokens per row over the row's cached latents (positions < start_B)
+    and, causally, the new tokens' own latents; weight-absorbed queries. Returns o_lat [B, T, H, R]
+    fp32. q_lat, c: R = kv_lora wide; q_rope, r: the rope width; cache entries in the cache dtype."""
+    cd, f32 = c_old_BSR.dtype, jnp.float32
+    S, T = c_old_BSR.shape[1], q_lat_BTHR.shape[1]
+    # The cache is read in its own dtype with fp32 accumulation: upcasting it first would write
+    # and re-read a copy twice its size, and at long contexts reading the cache is the step's cost.
+    s_old = (jnp.einsum("bthr,bsr->bhts", q_lat_BTHR, c_old_BSR, preferred_element_type=f32)
+             + jnp.einsum("bthe,bse->bhts", q_rope_BTHE, r_old_BSE, preferred_element_type=f32))
+    s_new = (jnp.einsum("bthr,bur->bhtu", q_lat_BTHR, c_new_BTR, preferred_element_type=f32)
+             + jnp.einsum("bthe,bue->bhtu", q_rope_BTHE, r_new_BTE, preferred_element_type=f32))
+    past = jnp.arange(S)[None, :] < start_B[:, None]  # [B, S]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    s_old = jnp.where(past[:, None, None, :], s_old * scale, -jnp.inf)
+    s_new = jnp.where(causal[None, None], s_new * scale, -jnp.inf)
+    # One softmax over [old | new] without concatenating them: a [B, H, T, S + T] copy per
+    # layer and step would grow with the context like the cache read itself.
+    top = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), jnp.max(s_new, axis=-1, keepdims=True))
+    e_old, e_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
+    inv = 1.0 / (jnp.sum(e_old, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True))
+    # The output is rounded to the cache dtype, as a fused attention kernel's would be.
+    return (jnp.einsum("bhts,bsr->bthr", (e_old * inv).astype(cd), c_old_BSR)
+            + jnp.einsum("bhtu,bur->bthr", (e_new * inv).astype(cd), c_new_BTR)).astype(f32)
+
+
+@DECODE_ATTENTION.register("pallas")
+def decode_attention_pallas(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new_BTR, r_new_BTE, start_B,
+                            scale: float) -> jax.Array:
+    """`decode_attention_xla` with the cached part through `pallas_kernels.mla_decode` (fp32 partial
+    sums merged with the new tokens' part by the log-sum-exp rule). Same shapes."""
+    from pallas_kernels.mla_decode import latent_attention_partial, merge_partials
+
+    f32, T = jnp.float32, q_lat_BTHR.shape[1]
+    o_old, m_old, l_old = latent_attention_partial(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, start_B,
+                                                   scale=scale)
+    s_new = (jnp.einsum("bthr,bur->bthu", q_lat_BTHR, c_new_BTR, preferred_element_type=f32)
+             + jnp.einsum("bthe,bue->bthu", q_rope_BTHE, r_new_BTE, preferred_element_type=f32))
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, :, None, :]
+    s_new = jnp.where(causal, s_new * scale, -jnp.inf)
+    m_new = jnp.max(s_new, axis=-1)  # finite: each token sees itself
+    e_new = jnp.exp(s_new - m_new[..., None])
+    o_new = jnp.einsum("bthu,bur->bthr", e_new.astype(c_new_BTR.dtype), c_new_BTR, preferred_element_type=f32)
+    o, _, l = merge_partials(o_old, m_old, l_old, o_new, m_new, jnp.sum(e_new, axis=-1))
+    return o / l[..., None]
 
 
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
@@ -164,6 +219,7 @@ class MLA(nnx.Module):
         self.kv_lora = a.kv_lora_rank
         self.use_rope, self.theta = a.use_rope, a.rope_theta
         self.attend = ATTENTION.get(a.attention_impl)
+        self.decode_attend = DECODE_ATTENTION.get(a.decode_impl)
         self.dtype = jnp.dtype(cfg.dtype)
         self.scale = (a.qk_nope_dim + a.qk_rope_dim) ** -0.5
         init = normal(cfg.init_std)
@@ -262,7 +318,7 @@ class MLA(nnx.Module):
         x = x_BTD.astype(dt)
         B, T, _ = x.shape
         c_old, r_old = cache["c_kv"], cache["k_rope"]
-        S, cd, f32 = c_old.shape[1], c_old.dtype, jnp.float32
+        cd, f32 = c_old.dtype, jnp.float32
         positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         q = self._project_q(x)
         kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
@@ -277,24 +333,7 @@ class MLA(nnx.Module):
         w_kb_k, w_kb_v = kv_b[..., : self.nope], kv_b[..., self.nope:]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(f32), w_kb_k).astype(cd)
         q_rope = q_rope.astype(r_old.dtype)
-        # The cache is read in its own dtype with fp32 accumulation: upcasting it first would write
-        # and re-read a copy twice its size, and at long contexts reading the cache is the step's cost.
-        s_old = (jnp.einsum("bthr,bsr->bhts", q_lat, c_old, preferred_element_type=f32)
-                 + jnp.einsum("bthe,bse->bhts", q_rope, r_old, preferred_element_type=f32))
-        s_new = (jnp.einsum("bthr,bur->bhtu", q_lat, c_new, preferred_element_type=f32)
-                 + jnp.einsum("bthe,bue->bhtu", q_rope, r_new, preferred_element_type=f32))
-        past = jnp.arange(S)[None, :] < start_B[:, None]  # [B, S]
-        causal = jnp.tril(jnp.ones((T, T), bool))
-        s_old = jnp.where(past[:, None, None, :], s_old * self.scale, -jnp.inf)
-        s_new = jnp.where(causal[None, None], s_new * self.scale, -jnp.inf)
-        # One softmax over [old | new] without concatenating them: a [B, H, T, S + T] copy per
-        # layer and step would grow with the context like the cache read itself.
-        top = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), jnp.max(s_new, axis=-1, keepdims=True))
-        e_old, e_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-        inv = 1.0 / (jnp.sum(e_old, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True))
-        # The output is rounded to the cache dtype, as a fused attention kernel's would be.
-        o_lat = (jnp.einsum("bhts,bsr->bthr", (e_old * inv).astype(cd), c_old)
-                 + jnp.einsum("bhtu,bur->bthr", (e_new * inv).astype(cd), c_new)).astype(f32)
+        o_lat = self.decode_attend(q_lat, q_rope, c_old, r_old, c_new, r_new, start_B, self.scale)
         o = jnp.einsum("bthr,rhv->bthv", o_lat, w_kb_v)
         if self.w_gate is not None:
             gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, dt))
