@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # `jax.ad_checkpoint.checkpoint_name` labels of what each kernel's custom_vjp saves for its backward,
 # so a remat policy can keep them (`k3.model.REMAT_POLICIES`) instead of running the kernel's
@@ -42,3 +43,10 @@ def document_index(segment_ids_BT, cu_seqlens, B, T):
     seg_BT = jnp.asarray(segment_ids_BT)
     starts_BT1 = (seg_BT[:, 1:] != seg_BT[:, :-1]).astype(jnp.int32)
     return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(starts_BT1, axis=1)], axis=1)
+
+
+def tile_dot(a, b, contract, exact: bool):
+    """A kernel's 2-D dot_general over the ``contract`` dims ((lhs,), (rhs,)) with fp32 accumulation;
+    ``exact`` (fp32 operands) asks for full precision, which Triton would otherwise run as TF32."""
+    prec = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (contract, ((), ())), precision=prec, preferred_element_type=jnp.float32)

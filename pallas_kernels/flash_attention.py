@@ -38,7 +38,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import ATTENTION_RESIDUALS, default_interpret, document_index, pow2_at_least_16
+from pallas_kernels.common import (ATTENTION_RESIDUALS, default_interpret, document_index, pow2_at_least_16,
+                                    tile_dot)
 
 __all__ = ["flash_attention", "document_bounds"]
 
@@ -63,8 +64,7 @@ class _Cfg:
 
 
 def _dot(a, b, dims, cfg):
-    prec = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    return tile_dot(a, b, dims, cfg.exact)
 
 
 def _mm(a, b, cfg):

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, pow2_at_least_16
+from pallas_kernels.common import default_interpret, pow2_at_least_16, tile_dot
 
 __all__ = ["latent_attention_partial", "merge_partials", "EMPTY_M"]
 
@@ -86,8 +86,7 @@ class _Cfg:
 
 
 def _dot(a, b, dims, cfg):
-    prec = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    return tile_dot(a, b, dims, cfg.exact)
 
 
 def _kernel(q_ref, qr_ref, c_ref, r_ref, start_ref, o_ref, m_ref, l_ref, *, cfg: _Cfg):
