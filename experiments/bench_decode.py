@@ -2,7 +2,7 @@
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=unrolled|scanned]
-        [--mla_decode=auto|xla|pallas] [--profile_top=0] [--hbm_bytes_per_s=0] [--json=PATH]
+        [--mla_decode=auto|xla|pallas] [--profile_top=0] [--hbm_bytes_per_s=0] [--speculative=0] [--json=PATH]
 
 Both models are `experiments.configs.ladder`'s K3 arm at the given width and depth; the second one
 swaps every KDA layer for (Gated, NoPE) MLA. The cache is filled with random values at the context
@@ -12,6 +12,10 @@ Reported: tokens/s (batch x steps / time, median of 3 repeats), the cache's and 
 compiled step's scratch memory (XLA's memory analysis: what the step needs beyond its arguments), and
 the step's bandwidth floor: the bytes a step must move (`floor_bytes`) over the device's HBM bandwidth
 (`k3.hardware.HBM_BYTES_PER_S`, or ``--hbm_bytes_per_s``), with each row's time as a multiple of it.
+
+``--speculative=K`` (> 0) also times `k3.decode.speculative_generate` (prompt-lookup drafts of K
+tokens) against `k3.generate`, greedy, on the K3 model: ``--batch`` prompts of 512 tokens that repeat a
+random 64-token phrase, ``--steps`` new tokens, second call of each timed (the first compiles).
 
 ``--layers=unrolled`` (default) serves the weights split per layer (`k3.model.unrolled`, done once
 before timing, as a server would at load time); ``scanned`` keeps the training layout, whose decode
@@ -179,6 +183,30 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
             "device": jax.devices()[0].device_kind, "top_kernels": top}
 
 
+def bench_speculative(d_model: int, n_layers: int, batch: int, new_tokens: int, k: int, dtype: str,
+                      mla_decode: str = "auto") -> dict:
+    """Greedy tokens/s of `k3.generate` and of `k3.decode.speculative_generate` (prompt-lookup drafts
+    of ``k`` tokens) on repetitive prompts; the two must emit the same tokens."""
+    cfg = model_config("k3", d_model, n_layers, dtype, mla_decode)
+    graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    rng = jax.random.split(jax.random.key(1), batch)
+    prompts = [(jax.random.randint(r, (64,), 0, cfg.vocab_size).tolist() * 8) for r in rng]
+    row = {"k": k, "batch": batch, "new_tokens": new_tokens}
+    outs = {}
+    for name, fn in (("plain", lambda: (decode.generate(graphdef, params, rest, prompts, new_tokens), None)),
+                     ("speculative", lambda: decode.speculative_generate(graphdef, params, rest, prompts,
+                                                                         new_tokens, k=k))):
+        fn()
+        t0 = time.perf_counter()
+        outs[name], stats = fn()
+        row[f"{name}_tokens_per_s"] = batch * new_tokens / (time.perf_counter() - t0)
+        if stats:
+            row.update(stats)
+    row["same_tokens"] = outs["plain"] == outs["speculative"]
+    row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="4096,32768,131072")
@@ -191,6 +219,8 @@ def main(argv=None):
                    help="dtype the weights are stored in ('same': the compute dtype; 'float32': as trained)")
     p.add_argument("--layers", default="unrolled", choices=("unrolled", "scanned"),
                    help="decode with the weights split per layer (as served) or in the scanned training layout")
+    p.add_argument("--speculative", type=int, default=0,
+                   help="K > 0: also time prompt-lookup speculative decoding with K-token drafts")
     p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")
     p.add_argument("--hbm_bytes_per_s", type=float, default=0.0,
                    help="HBM bandwidth for the floor (default: the device's, from k3.hardware)")
@@ -207,12 +237,22 @@ def main(argv=None):
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)
+    if a.speculative > 0:
+        spec = bench_speculative(a.d_model, a.n_layers, a.batch, a.steps, a.speculative,
+                                 a.dtype, a.mla_decode)
+        print(json.dumps({"speculative": spec}), flush=True)
+        rows.append({"model": "k3_speculative", **spec})
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
     print(f"\n{'context':>9}{'model':>9}{'tok/s':>12}{'ms/step':>10}{'floor ms':>10}{'x floor':>9}"
           f"{'cache MiB':>11}{'scratch MiB':>12}{'K3/all-MLA tok/s':>18}")
     for r in rows:
+        if r["model"] == "k3_speculative":
+            print(f"speculative (k={r['k']}): {r['speculative_tokens_per_s']:,.0f} tok/s vs {r['plain_tokens_per_s']:,.0f}"
+                  f" plain ({r['speedup']:.2f}x; {r['mean_accepted']:.2f} tokens per row and pass; "
+                  f"same tokens: {r['same_tokens']})")
+            continue
         base = next(x for x in rows if x["context"] == r["context"] and x["model"] == "all_mla")
         temp = f"{r['temp_bytes'] / 2 ** 20:.0f}" if r["temp_bytes"] is not None else "n/a"
         floor = f"{r['floor_ms']:.3f}" if r["floor_ms"] else "n/a"

@@ -327,9 +327,11 @@ def test_bench_decode_runs_and_reports_both_models():
     from experiments import bench_decode
 
     rows = bench_decode.main(["--contexts=24", "--batch=2", "--steps=3", "--d_model=64", "--n_layers=4",
-                              "--dtype=bfloat16", "--hbm_bytes_per_s=1e12"])
-    assert [r["model"] for r in rows] == ["k3", "all_mla"]
-    k3, mla = rows
+                              "--dtype=bfloat16", "--hbm_bytes_per_s=1e12", "--speculative=2"])
+    assert [r["model"] for r in rows] == ["k3", "all_mla", "k3_speculative"]
+    k3, mla, spec = rows
+    assert spec["same_tokens"] and spec["speculative_tokens_per_s"] > 0 and spec["steps"] >= 1
+    rows = rows[:2]
     assert k3["floor_bytes"]["kda_state"] > 0 and mla["floor_bytes"]["kda_state"] == 0
     assert k3["floor_bytes"]["mla_cache"] < mla["floor_bytes"]["mla_cache"]
     for r in rows:
@@ -382,3 +384,41 @@ def test_pallas_latent_decode_attention_equals_the_xla_form():
         outs.append((lg0, lg1, lg2))
     for a, b in zip(*outs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def _ngram_reference(hist, k, n):
+    """Python form of `decode.ngram_drafts` for one row's token list."""
+    suffix = hist[len(hist) - n:]
+    for p in range(len(hist) - n - 1, -1, -1):
+        if len(hist) >= n + 1 and hist[p:p + n] == suffix:
+            follow = hist[p + n:p + n + k]
+            return follow + [hist[-1]] * (k - len(follow))
+    return [hist[-1]] * k
+
+
+def test_ngram_drafts_match_a_python_reference():
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist() for _ in range(40)]
+    rows += [[7], [1, 2], [1, 2, 1, 2, 1, 2], [5, 5, 5], [1, 2, 3, 1, 2]]
+    L = max(len(r) for r in rows) + 3
+    hist = np.full((len(rows), L), 9, np.int32)
+    for i, r in enumerate(rows):
+        hist[i, :len(r)] = r
+    lengths = jnp.asarray([len(r) for r in rows])
+    for k, n in ((3, 2), (1, 1), (4, 3)):
+        got = np.asarray(decode.ngram_drafts(jnp.asarray(hist), lengths, k, n)).tolist()
+        assert got == [_ngram_reference(r, k, n) for r in rows], (k, n)
+
+
+@pytest.mark.parametrize("style", STYLES_SLOW_K3)
+def test_speculative_generate_equals_greedy_generate(style):
+    """Prompt-lookup speculative decoding emits exactly `generate`'s greedy tokens, in fewer
+    verification passes than tokens when drafts are accepted (a repetitive prompt)."""
+    model, _, _ = _model(style)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [1, 2, 3, 4], [42]]
+    want = decode.generate(graphdef, params, rest, prompts, 12)
+    got, stats = decode.speculative_generate(graphdef, params, rest, prompts, 12, k=3, n=2)
+    assert got == want
+    assert stats["steps"] <= 11 and stats["tokens"] >= 3 * 11
+    assert stats["mean_accepted"] == pytest.approx(stats["tokens"] / (3 * stats["steps"]))
