@@ -269,9 +269,11 @@ def _speculative_fns(graphdef, k: int, n: int, unroll_layers: bool):
         model = nnx.merge(graphdef, params, rest)
         return unrolled(model) if unroll_layers else model
 
-    @jax.jit
-    def start(params, rest, tokens_BP, lengths_B, cache):
-        last, cache = prefill(model_of(params, rest), tokens_BP, lengths_B, cache)
+    @functools.partial(jax.jit, static_argnums=(4,))
+    def start(params, rest, tokens_BP, lengths_B, max_len):
+        model = model_of(params, rest)
+        cache = init_cache(model, tokens_BP.shape[0], max_len)
+        last, cache = prefill(model, tokens_BP, lengths_B, cache)
         return jnp.argmax(last, axis=-1).astype(jnp.int32), cache
 
     @functools.partial(jax.jit, donate_argnums=(2,))
@@ -304,9 +306,7 @@ def speculative_generate(graphdef, params, rest, prompts: Sequence[Sequence[int]
         tokens[i, :len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     start, step = _speculative_fns(graphdef, int(k), int(n), bool(unroll_layers))
-    model = nnx.merge(graphdef, params, rest)
-    cache = init_cache(unrolled(model) if unroll_layers else model, B, max_len)
-    pending, cache = start(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    pending, cache = start(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), max_len)
     history = np.zeros((B, max_len), np.int32)
     history[:, :P] = tokens
     hist_len = lengths.copy()
