@@ -50,3 +50,12 @@ def tile_dot(a, b, contract, exact: bool):
     ``exact`` (fp32 operands) asks for full precision, which Triton would otherwise run as TF32."""
     prec = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
     return lax.dot_general(a, b, (contract, ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def triton_params(interpret: bool, num_warps: int, num_stages: int):
+    """A pallas_call's Triton launch parameters; None in interpret mode (nothing is compiled)."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (ATTENTION_RESIDUALS, default_interpret, document_index, pow2_at_least_16,
-                                    tile_dot)
+                                    tile_dot, triton_params)
 
 __all__ = ["flash_attention", "document_bounds"]
 
@@ -182,14 +182,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_r
 # pallas_call wrappers; arrays are [B, Tp, H, D] (q, k, v, o), [B, H, Tp] (lse, delta), [B, Tp] (ids)
 
 
-def _params(cfg):
-    if cfg.interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def _specs(cfg, blk):
     """(block of D columns, whole row of D columns, per-token stat block, whole stat row, id block, id row)."""
     Tp = cfg.Tp
@@ -210,7 +202,8 @@ def _forward(cfg, q, k, v, seg, start):
         out_specs=[blk(cfg.Dv), stat],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, cfg.Dv), v.dtype),
                    jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        interpret=cfg.interpret, compiler_params=_params(cfg), name="flash_doc_fwd",
+        interpret=cfg.interpret, name="flash_doc_fwd",
+        compiler_params=triton_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
     )(q, k, v, seg, seg, start)
 
 
@@ -223,7 +216,8 @@ def _backward(cfg, q, k, v, seg, start, end, o, lse, do):
         in_specs=[row(cfg.Dk), kblk(cfg.Dk), kblk(cfg.Dv), row(cfg.Dv), stat_row, stat_row, id_row, kids, kids],
         out_specs=[kblk(cfg.Dk), kblk(cfg.Dv)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        interpret=cfg.interpret, compiler_params=_params(cfg), name="flash_doc_dkdv",
+        interpret=cfg.interpret, name="flash_doc_dkdv",
+        compiler_params=triton_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
     )(q, k, v, do, lse, delta, seg, seg, end)
     qblk, row, stat, _, qids, id_row = _specs(cfg, cfg.BQ)
     dq = pl.pallas_call(
@@ -231,7 +225,8 @@ def _backward(cfg, q, k, v, seg, start, end, o, lse, do):
         in_specs=[qblk(cfg.Dk), row(cfg.Dk), row(cfg.Dv), qblk(cfg.Dv), stat, stat, qids, id_row, qids],
         out_specs=qblk(cfg.Dk),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=cfg.interpret, compiler_params=_params(cfg), name="flash_doc_dq",
+        interpret=cfg.interpret, name="flash_doc_dq",
+        compiler_params=triton_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
     )(q, k, v, do, lse, delta, seg, seg, start)
     return dq, dk, dv
 

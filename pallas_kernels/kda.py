@@ -76,7 +76,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16
+from pallas_kernels.common import KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16, triton_params
 from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = ["chunk_kda"]
@@ -523,20 +523,10 @@ def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_r
 # ----------------------------------------------------------------------------------------------------
 
 
-def _compiler_params(cfg, name):
-    """Triton launch parameters of kernel `name` (`cfg.launch`, or `_LAUNCH`)."""
-    if cfg.interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    warps, stages = cfg.launch_of(name)
-    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
-
-
 def _call(cfg, kernel, name, grid, in_specs, out_specs, out_shape):
     return pl.pallas_call(functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
-                          compiler_params=_compiler_params(cfg, name), name=f"kda_{name}")
+                          compiler_params=triton_params(cfg.interpret, *cfg.launch_of(name)), name=f"kda_{name}")
 
 
 def _chunk_specs(cfg):

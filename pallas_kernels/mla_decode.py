@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, pow2_at_least_16, tile_dot
+from pallas_kernels.common import default_interpret, pow2_at_least_16, tile_dot, triton_params
 
 __all__ = ["latent_attention_partial", "merge_partials", "EMPTY_M"]
 
@@ -119,14 +119,6 @@ def _kernel(q_ref, qr_ref, c_ref, r_ref, start_ref, o_ref, m_ref, l_ref, *, cfg:
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
-
-
-def _params(cfg):
-    if cfg.interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def merge_partials(o1, m1, l1, o2, m2, l2):
@@ -204,7 +196,8 @@ def latent_attention_partial(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, *, 
         out_shape=[jax.ShapeDtypeStruct((B, splits, Mp, Rp), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, Mp), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, Mp), jnp.float32)],
-        interpret=interpret, compiler_params=_params(cfg), name="mla_latent_decode",
+        interpret=interpret, name="mla_latent_decode",
+        compiler_params=triton_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
     )(q, qr, c, r, start)
 
     # Merge the splits (log-sum-exp rule); empty splits carry m = EMPTY_M, l = 0, o = 0.
