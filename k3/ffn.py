@@ -11,6 +11,8 @@ the MoE's experts, which run the same activation (`k3.moe.cost`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,21 +24,48 @@ from k3.nn import cast, normal, param
 GLU_BYTES = {"situ": 22.0, "swiglu": 18.0}
 
 
+def _glu_parts(g, u, kind, beta_gate, beta_up):
+    """(output, d out / d gate, d out / d up) of the gated activation, elementwise, in g's dtype."""
+    if kind == "swiglu":
+        sig = jax.nn.sigmoid(g)
+        act = g * sig
+        return act * u, u * sig * (1.0 + g * (1.0 - sig)), act
+    if kind == "situ":
+        sig = jax.nn.sigmoid(g)
+        tg, tu = jnp.tanh(g / beta_gate), jnp.tanh(u / beta_up)
+        a, b = beta_gate * tg * sig, beta_up * tu
+        da = (1.0 - tg * tg) * sig + a * (1.0 - sig)
+        return a * b, b * da, a * (1.0 - tu * tu)
+    raise ValueError(f"unknown activation {kind!r}; expected 'swiglu' or 'situ'")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def glu_activation(gate: jax.Array, up: jax.Array, kind: str, beta_gate: float = 4.0,
                    beta_up: float = 25.0) -> jax.Array:
     """Gated activation of ``gate`` and ``up`` (same shape), computed in fp32, cast back.
 
     kind: 'swiglu' -> silu(gate) * up; 'situ' -> SiTU-GLU with the given betas.
+    Its backward recomputes the activation from gate and up in one elementwise pass: autodiff
+    would save fp32 intermediates (two fp32 copies of an expert layer's [E, C, F] hidden under
+    remat) for a second pass to read.
     """
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
-    if kind == "swiglu":
-        out = jax.nn.silu(g) * u
-    elif kind == "situ":
-        out = beta_gate * jnp.tanh(g / beta_gate) * jax.nn.sigmoid(g) * (beta_up * jnp.tanh(u / beta_up))
-    else:
-        raise ValueError(f"unknown activation {kind!r}; expected 'swiglu' or 'situ'")
-    return out.astype(gate.dtype)
+    dt = jnp.float64 if jnp.result_type(gate, up) == jnp.float64 else jnp.float32
+    return _glu_parts(gate.astype(dt), up.astype(dt), kind, beta_gate, beta_up)[0].astype(gate.dtype)
+
+
+def _glu_fwd(gate, up, kind, beta_gate, beta_up):
+    return glu_activation(gate, up, kind, beta_gate, beta_up), (gate, up)
+
+
+def _glu_bwd(kind, beta_gate, beta_up, res, dout):
+    gate, up = res
+    dt = jnp.float64 if jnp.result_type(gate, up) == jnp.float64 else jnp.float32
+    _, d_gate, d_up = _glu_parts(gate.astype(dt), up.astype(dt), kind, beta_gate, beta_up)
+    d = dout.astype(dt)
+    return (d * d_gate).astype(gate.dtype), (d * d_up).astype(up.dtype)
+
+
+glu_activation.defvjp(_glu_fwd, _glu_bwd)
 
 
 class GLUMLP(nnx.Module):

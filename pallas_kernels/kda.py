@@ -110,7 +110,8 @@ class _Cfg:
             object.__setattr__(self, "BKI", self.BK)
 
     def launch_of(self, name):
-        return dict(_LAUNCH, **{n: (w, s) for n, w, s in self.launch})[name]
+        base = dict(_LAUNCH, **(_LAUNCH_SMALL_K if self.K <= _SMALL_K else {}))
+        return dict(base, **{n: (w, s) for n, w, s in self.launch})[name]
 
     @property
     def md(self):
@@ -131,6 +132,12 @@ class _Cfg:
 # chains (stages 2) did not pay, as their next chunk's loads are already issued ahead by hand.
 _LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "output_fwd": (4, 1), "state_bwd": (4, 1),
            "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1)}
+# Head dims up to _SMALL_K leave a 4-warp program mostly idle on its [C, K] tiles. Measured on the
+# H200 at 8x4096x32x32, chunk 32, bf16 (pallas_kernels/results/bench_kda_split_h200_k32_warps.json):
+# chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94;
+# output_fwd 0.25 / 0.29 / 0.30 and the state chains stayed best at 4.
+_SMALL_K = 32
+_LAUNCH_SMALL_K = {"intra_fwd": (1, 1), "chunk_bwd": (2, 1)}
 
 
 def _mm(a, b, prec):

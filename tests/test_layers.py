@@ -38,6 +38,39 @@ def test_situ_negative_gate_tail_goes_to_zero_and_bad_kind_raises():
         glu_activation(jnp.ones(2), jnp.ones(2), "gelu")
 
 
+def _glu_plain(g, u, kind):
+    """The activations written out for autodiff: the reference for `glu_activation`'s own backward."""
+    if kind == "swiglu":
+        return jax.nn.silu(g) * u
+    return 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
+
+
+@pytest.mark.parametrize("kind", ["situ", "swiglu"])
+def test_glu_activation_gradient_matches_autodiff_float64(x64, kind):
+    """Values spanning the saturated tails (|z| up to 200: tanh and sigmoid flat) and zero."""
+    g = jnp.concatenate([jnp.array([0.0, -200.0, 200.0]), 30.0 * jax.random.normal(jax.random.key(0), (61,))])
+    u = jnp.concatenate([jnp.array([0.0, 150.0, -150.0]), 30.0 * jax.random.normal(jax.random.key(1), (61,))])
+    g, u = g.astype(jnp.float64).reshape(8, 8), u.astype(jnp.float64).reshape(8, 8)
+    dout = jax.random.normal(jax.random.key(2), (8, 8), jnp.float64)
+    np.testing.assert_allclose(glu_activation(g, u, kind), _glu_plain(g, u, kind), rtol=1e-13, atol=1e-13)
+    got = jax.vjp(lambda a, b: glu_activation(a, b, kind), g, u)[1](dout)
+    want = jax.vjp(lambda a, b: _glu_plain(a, b, kind), g, u)[1](dout)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_glu_activation_bf16_gradients_keep_dtype_and_follow_fp32():
+    g, u = _rand(3, (4, 32), 3.0), _rand(4, (4, 32), 3.0)
+    dout = _rand(5, (4, 32))
+    gb, ub = g.astype(jnp.bfloat16), u.astype(jnp.bfloat16)
+    dg, du = jax.vjp(lambda a, b: glu_activation(a, b, "situ"), gb, ub)[1](dout.astype(jnp.bfloat16))
+    assert dg.dtype == du.dtype == jnp.bfloat16
+    rg, ru = jax.vjp(lambda a, b: _glu_plain(a, b, "situ"), gb.astype(jnp.float32), ub.astype(jnp.float32))[1](
+        dout.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(dg, np.float32), rg, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(du, np.float32), ru, rtol=2e-2, atol=2e-2)
+
+
 # ---------------------------------------------------------------- MLA
 def naive_attention(q, k, v, seg, scale):
     """Float64 numpy softmax attention, causal and within documents. q,k [B,T,H,D]; v [B,T,H,E]."""
