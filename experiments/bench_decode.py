@@ -57,26 +57,41 @@ def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode:
     return cfg
 
 
-def device_kernel_times(fn, top: int) -> list[tuple[str, float]]:
-    """Runs ``fn`` once under the profiler; the ``top`` device kernels by total time, as (name,
-    fraction of all device-kernel time). Empty where the backend records no device streams (CPU)."""
+def device_kernel_times(fn, top: int) -> dict:
+    """Runs ``fn`` once under the profiler and sums its device kernels.
+
+    Returns {'top': the ``top`` kernels by total time as (name, fraction of all kernel time),
+    'kernel_ms': summed kernel time, 'span_ms': first kernel start to last kernel end, 'launches':
+    the number of kernels}. ``kernel_ms / span_ms`` well under 1 means the device sits idle between
+    kernels (launch gaps), not that it waits on memory. Empty where the backend records no device
+    streams (CPU)."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(fn())
         paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         if not paths:
-            return []
+            return {}
         with gzip.open(paths[0], "rt") as f:
             events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    return kernel_stats(events["traceEvents"] if isinstance(events, dict) else events, top)
+
+
+def kernel_stats(events: list[dict], top: int) -> dict:
+    """`device_kernel_times`'s summary of a Perfetto trace's events (complete events of the
+    processes named '/device:...'); {} when there are none."""
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:" in str(e.get("args", {}).get("name", ""))}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    if not kernels:
+        return {}
     total = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device_pids:
-            total[e["name"]] += float(e.get("dur", 0))
+    for e in kernels:
+        total[e["name"]] += float(e.get("dur", 0))
     whole = sum(total.values()) or 1.0
-    return [(name, t / whole) for name, t in total.most_common(top)]
+    start = min(float(e["ts"]) for e in kernels)
+    end = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kernels)
+    return {"top": [(name, t / whole) for name, t in total.most_common(top)], "kernel_ms": whole / 1e3,
+            "span_ms": (end - start) / 1e3, "launches": len(kernels)}
 
 
 def capacity(context: int) -> int:
@@ -165,7 +180,7 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
-    top = device_kernel_times(lambda: compiled(params, cache, tok)[1], profile_top) if profile_top else []
+    prof = device_kernel_times(lambda: compiled(params, cache, tok)[1], profile_top) if profile_top else {}
     counts = count_params(cfg)
     w_item = jnp.dtype(weights_dtype or "float32").itemsize
     floor = floor_bytes(cfg, cache, batch, context, w_item)
@@ -180,7 +195,11 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
             "cache_bytes": cache_bytes, "weight_bytes": weight_bytes,
             "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
             "active_params": counts["active_params"], "compile_s": compile_s,
-            "device": jax.devices()[0].device_kind, "top_kernels": top}
+            "device": jax.devices()[0].device_kind, "top_kernels": prof.get("top", []),
+            # Per decode step, from the profiled call (None unprofiled or on a CPU).
+            "kernel_ms_per_step": prof["kernel_ms"] / steps if prof else None,
+            "kernel_busy_frac": prof["kernel_ms"] / prof["span_ms"] if prof and prof["span_ms"] else None,
+            "launches_per_step": prof["launches"] / steps if prof else None}
 
 
 def bench_speculative(d_model: int, n_layers: int, batch: int, new_tokens: int, k: int, dtype: str,
@@ -237,6 +256,10 @@ def main(argv=None):
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)
+            if rows[-1]["kernel_ms_per_step"] is not None:
+                r = rows[-1]
+                print(f"    kernels {r['kernel_ms_per_step']:.3f} ms/step of {r['ms_per_step']:.3f}, busy "
+                      f"{r['kernel_busy_frac']:.0%} of their span, {r['launches_per_step']:.0f} launches/step", flush=True)
     if a.speculative > 0:
         spec = bench_speculative(a.d_model, a.n_layers, a.batch, a.steps, a.speculative,
                                  a.dtype, a.mla_decode)

@@ -19,9 +19,6 @@ from flax import nnx
 
 from k3.nn import cast, normal, param
 
-# Bytes per hidden element of a gated FFN, gate/up outputs included, measured as the `k3.plan`
-# docstring describes.
-GLU_BYTES = {"situ": 22.0, "swiglu": 18.0}
 
 
 def _glu_parts(g, u, kind, beta_gate, beta_up):
@@ -90,10 +87,12 @@ class GLUMLP(nnx.Module):
         return jnp.einsum("...f,fd->...d", h, cast(self.w_down, self.dtype))
 
 
-def glu_bytes(activation: str) -> float:
-    """Bytes a gated FFN keeps for its backward per hidden element under ``activation``
-    ('situ' or 'swiglu'; another name counts as 'situ')."""
-    return GLU_BYTES.get(activation, GLU_BYTES["situ"])
+def glu_bytes(a: int) -> float:
+    """Bytes a gated FFN keeps for its backward per hidden element, at ``a`` compute-dtype bytes:
+    gate and up, which `glu_activation`'s VJP saves (it recomputes the activation from them). On the
+    H200 this VJP cut K2 1024:12's measured peak from 60.7 to 45.6 GiB at 32K tokens without remat
+    (BENCHMARKS.md), autodiff having kept about 18 bytes per hidden element (SwiGLU; 22 for SiTU)."""
+    return 2.0 * a
 
 
 def dense_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
@@ -101,12 +100,12 @@ def dense_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
 
     m: the model config; lay: the planner's layout (`k3.plan.Layout`: local tokens N, the FFN-width
     divisor); a: compute-dtype bytes. N F GLU + N D a: the hidden activations at F = dense_ffn_dim
-    per device and the output. No transient; ``qk_clip`` is MLA's setting (the planner's per-layer
-    formulas share one signature).
+    per device (GLU = `glu_bytes`) and the output. No transient; ``qk_clip`` is MLA's setting (the
+    planner's per-layer formulas share one signature).
     """
     del qk_clip
     N, D = lay.tokens, m.d_model
-    return {"ffn": N * (m.dense_ffn_dim // lay.mlp_div) * glu_bytes(m.activation) + N * D * a}, 0
+    return {"ffn": N * (m.dense_ffn_dim // lay.mlp_div) * glu_bytes(a) + N * D * a}, 0
 
 
 def dense_tensor_bytes(m, lay, a: int, tp: int) -> list[float]:

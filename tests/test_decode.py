@@ -323,6 +323,21 @@ def test_prefix_cache_hits_equal_scratch(style):
 
 
 @pytest.mark.slow
+def test_bench_decode_kernel_stats_sum_device_kernels_and_their_span():
+    """Host events are ignored; two kernels of 30 and 10 us over a 100 us span: 40% busy."""
+    from experiments.bench_decode import kernel_stats
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "name": "gemm", "ts": 1000.0, "dur": 30.0},
+              {"ph": "X", "pid": 1, "name": "reduce", "ts": 1090.0, "dur": 10.0},
+              {"ph": "X", "pid": 2, "name": "host_work", "ts": 0.0, "dur": 5000.0}]
+    got = kernel_stats(events, top=1)
+    assert got["top"] == [("gemm", 0.75)] and got["launches"] == 2
+    np.testing.assert_allclose([got["kernel_ms"], got["span_ms"]], [0.04, 0.1])
+    assert kernel_stats(events[1:2] + events[4:], top=3) == {}
+
+
 def test_bench_decode_runs_and_reports_both_models():
     from experiments import bench_decode
 

@@ -54,7 +54,7 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     del qk_clip
     f = 4
     N, D = lay.tokens, m.d_model
-    glu = glu_bytes(m.activation)
+    glu = glu_bytes(a)
     e = m.moe
     W = e.latent_dim if e.latent_dim > 0 else D
     Fe = e.expert_dim // lay.expert_mlp_div
