@@ -20,7 +20,10 @@ from the named scope it ran under (the model marks ``routed_experts``, ``attenti
   norms/elementwise    everything else (fusions of elementwise work and reductions)
 
 Prints the table (ms per step and share of the summed kernel time) and the top kernels, so the
-next change starts from the measured split. The name tests are in `categorize`. On a GPU, XLA runs
+next change starts from the measured split. The slowest fusions outside the matmul categories are
+also read from the compiled HLO (`top_fusions`, in the JSON): what each reads and writes (shapes,
+bytes), its fused opcodes and the share of the HBM bandwidth it reaches, which names an fp32
+intermediate written to memory or a reduction far from the bandwidth without a device HLO dump. The name tests are in `categorize`. On a GPU, XLA runs
 most kernels inside CUDA graphs whose trace events name the graph, not the HLO op; the kernel's own
 name (fusion names match the HLO's) is then used, and library kernels (cuBLAS, cuDNN) are told
 apart by name only. ``--no_command_buffers`` turns the graphs off (XLA_FLAGS) so every kernel keeps
@@ -122,6 +125,83 @@ def hlo_op_context(hlo_text: str) -> dict:
     return out
 
 
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
+_OPCODE = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}
+
+
+def _shapes_bytes(text: str) -> tuple[list[str], int]:
+    """The array shapes written in an HLO type (a tuple or one array) and their total bytes."""
+    shapes, total = [], 0
+    for dtype, dims in _SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        shapes.append(f"{dtype}[{dims}]")
+        total += n * _BYTES[dtype]
+    return shapes, total
+
+
+def _result_type(rhs: str) -> str:
+    """The result type at the start of an instruction's right-hand side: '(a, b)' or one array."""
+    rhs = rhs.lstrip()
+    if rhs.startswith("("):
+        return rhs.split(")", 1)[0]
+    return rhs.split(" ", 1)[0]
+
+
+def hlo_fusion_summaries(hlo_text: str, names) -> dict:
+    """What each named kernel (an HLO fusion; '.'/'-' may be spelled '_') reads, writes and computes.
+
+    Returns {name: {'writes': [shapes], 'write_bytes': int, 'reads': [shapes], 'read_bytes': int,
+    'ops': {opcode: count in the fused computation}}}; names not found are left out. The bytes are
+    those of the fusion's operands and results (what the kernel must move at least once), so a
+    kernel's time over them says how far it is from the HBM bandwidth."""
+    wanted = {_norm(n): n for n in names}
+    comps, comp, instr = collections.defaultdict(list), None, {}
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        if comp is not None:
+            comps[comp].append(line)
+        if _norm(m.group(1)) in wanted:
+            instr[wanted[_norm(m.group(1))]] = line
+    shapes_of = {}
+    for lines in comps.values():  # every instruction's result type, for the operands' sizes
+        for line in lines:
+            shapes_of[_INSTR.match(line).group(1)] = _shapes_bytes(_result_type(line.split("=", 1)[1]))
+    out = {}
+    for name, line in instr.items():
+        rhs = line.split("=", 1)[1]
+        writes, write_bytes = _shapes_bytes(_result_type(rhs))
+        args = rhs.split("fusion(", 1)[1].split(")", 1)[0] if "fusion(" in rhs else ""
+        reads, read_bytes = [], 0
+        for a, idx in re.findall(r"%([\w.\-]+)(?:#(\d+))?", args):
+            sh, _ = shapes_of.get(a, ([], 0))
+            if idx:  # element idx of a multi-output producer
+                sh = sh[int(idx):int(idx) + 1]
+            elif len(sh) > 1:  # a whole tuple passed on: counted by its elements' uses, not here
+                continue
+            reads += sh
+            read_bytes += _shapes_bytes(" ".join(sh))[1]
+        called = _CALLS.findall(line)
+        ops = collections.Counter()
+        for c in called:
+            for body_line in comps.get(c, []):
+                m = _OPCODE.search(body_line)
+                if m and m.group(1) not in ("parameter", "constant"):
+                    ops[m.group(1)] += 1
+        out[name] = {"writes": writes, "write_bytes": write_bytes, "reads": reads, "read_bytes": read_bytes,
+                     "ops": dict(ops.most_common())}
+    return out
+
+
 def _norm(name: str) -> str:
     return re.sub(r"[.\-]", "_", name)
 
@@ -148,7 +228,7 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
     if not pids:  # CPU-only runs: the XLA ops of the host threads
         pids = {e["pid"] for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})}
     per_cat = collections.Counter()
-    per_kernel = collections.Counter()
+    per_kernel, calls = collections.Counter(), collections.Counter()
     kernel_cat, kernel_scope, samples = {}, {}, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in pids or "dur" not in e:
@@ -164,6 +244,7 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
         cat = categorize(str(e.get("name", "")), context)
         per_cat[cat] += e["dur"] / 1e3 / n_steps
         per_kernel[e["name"]] += e["dur"] / 1e3 / n_steps
+        calls[e["name"]] += 1 / n_steps
         kernel_cat[e["name"]] = cat
         kernel_scope.setdefault(e["name"], scopes[:300])
     total = sum(per_cat.values())
@@ -171,12 +252,14 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
             "share": {c: per_cat.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [(k, ms, kernel_cat[k]) for k, ms in per_kernel.most_common(25)],
             "top_scopes": {k: kernel_scope[k] for k, _ in per_kernel.most_common(60)},
-            "kernels": {k: [ms, kernel_cat[k]] for k, ms in per_kernel.items()}, "sample_events": samples}
+            "kernels": {k: [ms, kernel_cat[k]] for k, ms in per_kernel.items()},
+            "calls": {k: round(c, 3) for k, c in calls.items()}, "sample_events": samples}
 
 
 def profile_compiled(step, state, batch, n_steps: int, trace_dir: str) -> tuple[dict, dict]:
     """Traces ``n_steps`` of an AOT-compiled train step; returns (breakdown, the new state)."""
-    op_context = hlo_op_context(step.as_text())
+    hlo = step.as_text()
+    op_context = hlo_op_context(hlo)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(n_steps):
             state, m = step(state, batch)
@@ -185,7 +268,38 @@ def profile_compiled(step, state, batch, n_steps: int, trace_dir: str) -> tuple[
                     key=os.path.getmtime)
     if not traces:
         raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
-    return parse_trace(traces[-1], n_steps, op_context), state
+    res = parse_trace(traces[-1], n_steps, op_context)
+    res["top_fusions"] = top_fusions(res, hlo)
+    return res, state
+
+
+_NOT_FUSIONS = ("dense matmuls", "expert matmuls", "fp32 matmuls")
+
+
+def top_fusions(res: dict, hlo_text: str, n: int = 30, hbm_bytes_per_s: float = 0.0) -> list[dict]:
+    """The ``n`` slowest kernels outside the matmul categories that are HLO fusions: each with its
+    ms and calls per step, category and `hlo_fusion_summaries` entry, plus ``hbm_frac`` where the
+    device's HBM bandwidth is known (`k3.hardware`): the time to read its operands and write its
+    results once per call, over its measured time (1 = at that floor; a scanned body's fusion is one
+    HLO instruction called once per layer)."""
+    from k3.hardware import device_hbm_bandwidth
+
+    kernels = sorted(((ms, name, cat) for name, (ms, cat) in res["kernels"].items() if cat not in _NOT_FUSIONS),
+                     reverse=True)
+    summaries = hlo_fusion_summaries(hlo_text, [name for _, name, _ in kernels[: 3 * n]])
+    rate = device_hbm_bandwidth(hbm_bytes_per_s)
+    out = []
+    for ms, name, cat in kernels[: 3 * n]:
+        if name not in summaries:
+            continue
+        row = {"name": name, "ms": ms, "category": cat, "calls": res.get("calls", {}).get(name), **summaries[name]}
+        moved = row["read_bytes"] + row["write_bytes"]
+        if rate and row["calls"]:
+            row["hbm_frac"] = moved * row["calls"] / rate / (ms / 1e3)
+        out.append(row)
+        if len(out) == n:
+            break
+    return out
 
 
 def profile(model: str, seq_len: int, batch: int, remat: bool, sets, steps: int, trace_dir: str) -> dict:
@@ -212,6 +326,13 @@ def print_breakdown(res: dict) -> None:
     print("  top kernels (ms/step, category):")
     for name, ms, cat in res["top"][:15]:
         print(f"    {ms:>9.2f}  {cat:<18} {name[:90]}")
+    if res.get("top_fusions"):
+        print("  slowest non-matmul fusions (ms/step, MB read + written per call, share of HBM bandwidth, ops):")
+        for f in res["top_fusions"][:12]:
+            frac = f"{f['hbm_frac']:.0%}" if f.get("hbm_frac") is not None else "n/a"
+            ops = ", ".join(f"{k} {v}" for k, v in list(f["ops"].items())[:5])
+            print(f"    {f['ms']:>9.2f}  {(f['read_bytes'] + f['write_bytes']) / 2**20:>9.1f} MB  {frac:>5}  "
+                  f"{f['name'][:40]:<40} {ops}")
 
 
 def main():

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_model_cfg
-from experiments.profile_step import categorize, hlo_op_context, parse_trace
+from experiments.profile_step import categorize, hlo_fusion_summaries, hlo_op_context, parse_trace, top_fusions
 from k3.backends import BackendError, Table
 from k3.config import ConfigError, default_config, validate
 from k3.kda.layer import KDA
@@ -108,6 +108,41 @@ def test_trace_parser_maps_kernels_to_scopes_through_the_hlo(tmp_path):
     res = parse_trace(str(path), n_steps=2, op_context=ctx)
     assert res["ms"]["optimizer"] == pytest.approx(1.5) and res["ms"]["fp32 matmuls"] == pytest.approx(0.5)
     assert res["total_ms"] == pytest.approx(2.0) and abs(sum(res["share"].values()) - 1) < 1e-9
+
+
+FUSION_HLO = "\n".join([
+    "HloModule jit_train_step",
+    "%fused_a (p0: bf16[8,16], p1: f32[16]) -> (f32[8,16], bf16[8,16]) {",
+    "  %p0 = bf16[8,16]{1,0} parameter(0)",
+    "  %c = f32[8,16]{1,0} convert(%p0)",
+    "  %e = f32[8,16]{1,0} exponential(%c)",
+    "  %e2 = f32[8,16]{1,0} exponential(%e)",
+    "  ROOT %t = (f32[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%e2, %p0)",
+    "}",
+    "ENTRY %main (a: bf16[8,16], b: f32[16]) -> f32[8,16] {",
+    "  %a = bf16[8,16]{1,0} parameter(0)",
+    "  %b = f32[16]{0} parameter(1)",
+    "  %loop_exp_fusion.3 = (f32[8,16]{1,0}, bf16[8,16]{1,0}) fusion(%a, %b), kind=kLoop, calls=%fused_a",
+    "  ROOT %g = f32[8,16]{1,0} get-tuple-element(%loop_exp_fusion.3), index=0",
+    "}",
+])
+
+
+def test_fusion_summaries_count_bytes_moved_and_ops():
+    """Reads = operands (bf16 [8, 16] + f32 [16]), writes = both tuple results; the fused body's
+    opcodes counted; the trace's '_' spelling of the name finds the '.' one; unknown names skipped."""
+    got = hlo_fusion_summaries(FUSION_HLO, ["loop_exp_fusion_3", "not_there"])
+    assert list(got) == ["loop_exp_fusion_3"]
+    f = got["loop_exp_fusion_3"]
+    assert f["writes"] == ["f32[8,16]", "bf16[8,16]"] and f["write_bytes"] == 8 * 16 * (4 + 2)
+    assert f["reads"] == ["bf16[8,16]", "f32[16]"] and f["read_bytes"] == 8 * 16 * 2 + 16 * 4
+    assert f["ops"] == {"exponential": 2, "convert": 1, "tuple": 1}
+    # 1088 bytes, 3 calls per step, 1 ms per step at 1e6 B/s: 1088 * 3 / 1e6 s = 3.264 ms -> 3.264
+    res = {"kernels": {"loop_exp_fusion_3": [1.0, "norms/elementwise"], "nvjet_gemm": [5.0, "dense matmuls"]},
+           "calls": {"loop_exp_fusion_3": 3.0, "nvjet_gemm": 1.0}}
+    rows = top_fusions(res, FUSION_HLO, hbm_bytes_per_s=1e6)
+    assert [r["name"] for r in rows] == ["loop_exp_fusion_3"]
+    assert rows[0]["hbm_frac"] == pytest.approx(1088 * 3 / 1e6 / 1e-3)
 
 
 def test_balancer_table_drives_routing_updates_and_validation():
