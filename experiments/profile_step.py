@@ -92,10 +92,8 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
-def hlo_op_context(hlo_text: str) -> dict:
-    """Instruction name -> the op_names (JAX scopes) of it and of every instruction it calls, from
-    the compiled module's HLO text. Fusions carry their root's op_name; their bodies name the rest."""
-    comp_ops, instr_op, instr_calls = collections.defaultdict(list), {}, {}
+def _instructions(hlo_text: str):
+    """(enclosing computation or None, instruction name, line) of every instruction of an HLO text."""
     comp = None
     for line in hlo_text.splitlines():
         m = _COMP.match(line)
@@ -103,9 +101,15 @@ def hlo_op_context(hlo_text: str) -> dict:
             comp = m.group(1)
             continue
         m = _INSTR.match(line)
-        if not m:
-            continue
-        name = m.group(1)
+        if m:
+            yield comp, m.group(1), line
+
+
+def hlo_op_context(hlo_text: str) -> dict:
+    """Instruction name -> the op_names (JAX scopes) of it and of every instruction it calls, from
+    the compiled module's HLO text. Fusions carry their root's op_name; their bodies name the rest."""
+    comp_ops, instr_op, instr_calls = collections.defaultdict(list), {}, {}
+    for comp, name, line in _instructions(hlo_text):
         op = _OP_NAME.search(line)
         instr_op[name] = op.group(1) if op else ""
         instr_calls[name] = _CALLS.findall(line)
@@ -159,19 +163,12 @@ def hlo_fusion_summaries(hlo_text: str, names) -> dict:
     those of the fusion's operands and results (what the kernel must move at least once), so a
     kernel's time over them says how far it is from the HBM bandwidth."""
     wanted = {_norm(n): n for n in names}
-    comps, comp, instr = collections.defaultdict(list), None, {}
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0]:
-            comp = m.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
+    comps, instr = collections.defaultdict(list), {}
+    for comp, name, line in _instructions(hlo_text):
         if comp is not None:
             comps[comp].append(line)
-        if _norm(m.group(1)) in wanted:
-            instr[wanted[_norm(m.group(1))]] = line
+        if _norm(name) in wanted:
+            instr[wanted[_norm(name)]] = line
     shapes_of = {}
     for lines in comps.values():  # every instruction's result type, for the operands' sizes
         for line in lines:
