@@ -2,7 +2,8 @@
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=unrolled|scanned]
-        [--mla_decode=auto|xla|pallas] [--profile_top=0] [--hbm_bytes_per_s=0] [--speculative=0] [--json=PATH]
+        [--mla_decode=auto|xla|pallas] [--loop=scan|host] [--profile_top=0] [--hbm_bytes_per_s=0]
+        [--speculative=0] [--json=PATH]
 
 Both models are `experiments.configs.ladder`'s K3 arm at the given width and depth; the second one
 swaps every KDA layer for (Gated, NoPE) MLA. The cache is filled with random values at the context
@@ -16,6 +17,11 @@ the step's bandwidth floor: the bytes a step must move (`floor_bytes`) over the 
 ``--speculative=K`` (> 0) also times `k3.decode.speculative_generate` (prompt-lookup drafts of K
 tokens) against `k3.generate`, greedy, on the K3 model: ``--batch`` prompts of 512 tokens that repeat a
 random 64-token phrase, ``--steps`` new tokens, second call of each timed (the first compiles).
+
+``--loop=scan`` (default) runs the steps as one scan inside one jitted call, as `k3.generate`
+does; ``host`` calls a jitted single step from Python once per token, as a server's loop would.
+A GPU runtime may record a whole jitted call as one CUDA graph (XLA's command buffers), which a
+loop body inside the call may not get: comparing the two separates launch gaps from work.
 
 ``--layers=unrolled`` (default) serves the weights split per layer (`k3.model.unrolled`, done once
 before timing, as a server would at load time); ``scanned`` keeps the training layout, whose decode
@@ -135,7 +141,7 @@ def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int
 
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
           weights_dtype: str = "", profile_top: int = 0, layers: str = "unrolled", hbm: float = 0.0,
-          mla_decode: str = "auto") -> dict:
+          mla_decode: str = "auto", loop: str = "scan") -> dict:
     cfg = model_config(kind, d_model, n_layers, dtype, mla_decode)
     model = Model(cfg, rngs=nnx.Rngs(0))
     if layers == "unrolled":
@@ -150,26 +156,36 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
 
     # The weights are an argument, not closed-over constants, so the executable and its memory
     # analysis see them as the buffers they are at serving time.
+    def step(params, carry, _=None):
+        cache, tok = carry
+        # Rewind to the measured context each step so the cache never fills up.
+        cache = {**cache, "length": jnp.minimum(cache["length"], context)}
+        logits, cache = decode.extend(nnx.merge(graphdef, params, rest), tok[:, None], cache)
+        return (cache, jnp.argmax(logits[:, 0], -1).astype(jnp.int32)), None
+
     @functools.partial(jax.jit, donate_argnums=1)
     def decode_steps(params, cache, tok):
-        model = nnx.merge(graphdef, params, rest)
-
-        def step(carry, _):
-            cache, tok = carry
-            # Rewind to the measured context each step so the cache never fills up.
-            cache = {**cache, "length": jnp.minimum(cache["length"], context)}
-            logits, cache = decode.extend(model, tok[:, None], cache)
-            return (cache, jnp.argmax(logits[:, 0], -1).astype(jnp.int32)), None
-
-        (cache, tok), _ = jax.lax.scan(step, (cache, tok), None, length=steps)
+        (cache, tok), _ = jax.lax.scan(functools.partial(step, params), (cache, tok), None, length=steps)
         return cache, tok
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def decode_one(params, cache, tok):
+        return step(params, (cache, tok))[0]
 
     cache = random_cache(model, batch, context, jax.random.key(0))
     tok = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
-    compiled = decode_steps.lower(params, cache, tok).compile()
+    if loop == "scan":
+        compiled = decode_steps.lower(params, cache, tok).compile()
+    else:
+        one = decode_one.lower(params, cache, tok).compile()
+
+        def compiled(params, cache, tok):  # a server's loop: one dispatch per token
+            for _ in range(steps):
+                cache, tok = one(params, cache, tok)
+            return cache, tok
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
+    mem = (compiled if loop == "scan" else one).memory_analysis()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     cache, tok = compiled(params, cache, tok)
     jax.block_until_ready(tok)
@@ -188,7 +204,7 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     floor_ms = sum(floor.values()) / rate * 1e3 if rate else None
     return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
             "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
-            "mla_decode": mla_decode,
+            "mla_decode": mla_decode, "loop": loop,
             "tokens_per_s": batch * steps / dt, "ms_per_step": dt / steps * 1e3,
             "floor_bytes": floor, "floor_ms": floor_ms,
             "x_floor": (dt / steps * 1e3) / floor_ms if floor_ms else None,
@@ -241,6 +257,8 @@ def main(argv=None):
     p.add_argument("--speculative", type=int, default=0,
                    help="K > 0: also time prompt-lookup speculative decoding with K-token drafts")
     p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")
+    p.add_argument("--loop", default="scan", choices=("scan", "host"),
+                   help="the steps as one scan in one jitted call, or a Python loop over a jitted step")
     p.add_argument("--hbm_bytes_per_s", type=float, default=0.0,
                    help="HBM bandwidth for the floor (default: the device's, from k3.hardware)")
     p.add_argument("--profile_top", type=int, default=0,
@@ -252,7 +270,7 @@ def main(argv=None):
         for kind in ("k3", "all_mla"):
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
             rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
-                              a.layers, a.hbm_bytes_per_s, a.mla_decode))
+                              a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop))
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)

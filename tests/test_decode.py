@@ -322,7 +322,6 @@ def test_prefix_cache_hits_equal_scratch(style):
     assert page_hashes(b, 4)[:4] == page_hashes(a, 4)[:4] and page_hashes(b, 4)[4] != page_hashes(a, 4)[4]
 
 
-@pytest.mark.slow
 def test_bench_decode_kernel_stats_sum_device_kernels_and_their_span():
     """Host events are ignored; two kernels of 30 and 10 us over a 100 us span: 40% busy."""
     from experiments.bench_decode import kernel_stats
@@ -338,6 +337,7 @@ def test_bench_decode_kernel_stats_sum_device_kernels_and_their_span():
     assert kernel_stats(events[1:2] + events[4:], top=3) == {}
 
 
+@pytest.mark.slow
 def test_bench_decode_runs_and_reports_both_models():
     from experiments import bench_decode
 
@@ -355,6 +355,8 @@ def test_bench_decode_runs_and_reports_both_models():
         assert r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
     assert all(r["weights_dtype"] == "bfloat16" for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["cache_bytes"] > 0 for r in rows)
+    host = bench_decode.bench("k3", 64, 4, 24, 2, 3, "bfloat16", "bfloat16", loop="host")
+    assert host["loop"] == "host" and host["tokens_per_s"] > 0 and host["temp_bytes"] is not None
 
 
 @pytest.mark.parametrize("style", STYLES_SLOW_K3)
