@@ -49,11 +49,14 @@ config is dropless, then with context parallelism (the default rules shard dense
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -66,10 +69,11 @@ from k3.hardware import PEAK_BF16_FLOPS
 from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_residual_bytes
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
-from k3.model import plan_layers
+from k3.model import Model, cross_entropy, plan_layers
 from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
                          moe_tensor_bytes, router_bias_bytes)
 from k3.kda.ops import KDA_CORES
+from k3.moe.layer import EXPERT_BACKENDS
 from k3.nn import NORM_BYTES
 from k3.params import ROUTED, abstract_model, count_params, flops_per_token
 from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
@@ -573,6 +577,44 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
     out["unrolled_layers"] = unrolled
     out["by_kind"] = {f"{mk}/{fk}": {t: v for t, v in r.items()} for (mk, fk), r in by_kind.items()}
     return out
+
+
+def saved_residual_bytes(cfg, batch: int, seq: int, platform: str = "gpu") -> float:
+    """Bytes JAX keeps from the forward for the backward pass of one [batch, seq] micro-batch on one
+    device: the residuals of ``jax.vjp`` of the loss (parameters themselves excluded), traced on
+    abstract shapes, so nothing is allocated and it runs on a CPU for any model size.
+
+    It follows what the code does: ``model.remat`` and ``model.remat_policy`` decide what is saved
+    (the layer-group inputs only under 'full', plus matmul outputs under 'dots', plus the kernels'
+    named residuals under 'dots_kernels' ...), and the kernels are those ``platform`` runs ('auto'
+    resolved there: Pallas KDA, flash attention and capacity experts on 'gpu'). What it cannot see
+    is XLA's working set while a group's forward is recomputed in the backward: on the H200 the
+    measured peaks of K3 1024:12 at 32K tokens exceed parameters, optimizer, gradients and this count
+    by 13.4-15.2 GiB under all three policies (`experiments.plan_vs_measured`)."""
+    m = copy.deepcopy(cfg.model)
+    with m.unlocked() if hasattr(m, "unlocked") else contextlib.nullcontext():
+        for key, table in (("attention_impl", ATTENTION), ("impl", KDA_CORES), ("expert_impl", EXPERT_BACKENDS)):
+            node = m.mla if key == "attention_impl" else m.kda if key == "impl" else m.moe
+            try:
+                node[key] = table.resolve(node[key], platform)
+            except BackendError:
+                node[key] = table.resolve("auto")  # a kernel this process cannot trace: its own default
+
+    def residuals():
+        model = Model(m, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        tokens = jnp.zeros((batch, seq), jnp.int32)
+        segments = jnp.ones((batch, seq), jnp.int32)
+
+        def loss(p):
+            logits, _ = nnx.merge(graphdef, p, rest)(tokens, segments)
+            return cross_entropy(logits, tokens)
+
+        param_ids = {id(x) for x in jax.tree.leaves(params)}
+        vjp = jax.vjp(loss, params)[1]
+        return [x for x in jax.tree.leaves(vjp) if id(x) not in param_ids and hasattr(x, "dtype")]
+
+    return float(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.eval_shape(residuals)))
 
 
 # ---------------------------------------------------------------------------------------------
