@@ -277,7 +277,8 @@ def main(argv=None):
             if rows[-1]["kernel_ms_per_step"] is not None:
                 r = rows[-1]
                 print(f"    kernels {r['kernel_ms_per_step']:.3f} ms/step of {r['ms_per_step']:.3f}, busy "
-                      f"{r['kernel_busy_frac']:.0%} of their span, {r['launches_per_step']:.0f} launches/step", flush=True)
+                      f"{r['kernel_busy_frac']:.0%} of their span, {r['launches_per_step']:.0f} launches/step",
+                      flush=True)
     if a.speculative > 0:
         spec = bench_speculative(a.d_model, a.n_layers, a.batch, a.steps, a.speculative,
                                  a.dtype, a.mla_decode)

@@ -56,7 +56,8 @@ def default_config() -> ConfigDict:
     a.norm_eps = 1e-6  # q_a / kv_a norms
     a.attention_impl = "auto"  # k3.mla.ATTENTION: 'auto' ('flash' on GPU, 'xla' elsewhere), 'xla', 'cudnn',
     # 'pallas', 'flash' (document-skipping Pallas kernel)
-    a.decode_impl = "auto"  # k3.mla.DECODE_ATTENTION over the latent cache: 'auto' ('pallas' on GPU, 'xla' elsewhere), 'xla', 'pallas'
+    a.decode_impl = "auto"  # k3.mla.DECODE_ATTENTION over the latent cache: 'auto' ('pallas' on GPU, 'xla'
+    # elsewhere), 'xla', 'pallas'
 
     k = m.kda = ConfigDict()
     k.n_heads = 4
