@@ -590,11 +590,11 @@ def saved_residual_bytes(cfg, batch: int, seq: int, platform: str = "gpu") -> fl
     resolved there: Pallas KDA, flash attention and capacity experts on 'gpu'). What it cannot see
     is XLA's working set while a group's forward is recomputed in the backward: on the H200 the
     measured peaks of K3 1024:12 at 32K tokens exceed parameters, optimizer, gradients and this count
-    by 13.4-15.2 GiB under all three policies (`experiments.plan_vs_measured`)."""
+    by 13.4-15.1 GiB under all three policies (`experiments.plan_vs_measured`)."""
     m = copy.deepcopy(cfg.model)
     with m.unlocked() if hasattr(m, "unlocked") else contextlib.nullcontext():
-        for key, table in (("attention_impl", ATTENTION), ("impl", KDA_CORES), ("expert_impl", EXPERT_BACKENDS)):
-            node = m.mla if key == "attention_impl" else m.kda if key == "impl" else m.moe
+        for node, key, table in ((m.mla, "attention_impl", ATTENTION), (m.kda, "impl", KDA_CORES),
+                                 (m.moe, "expert_impl", EXPERT_BACKENDS)):
             try:
                 node[key] = table.resolve(node[key], platform)
             except BackendError:
