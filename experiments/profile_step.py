@@ -26,8 +26,8 @@ bytes), its fused opcodes and the share of the HBM bandwidth it reaches, which n
 intermediate written to memory or a reduction far from the bandwidth without a device HLO dump.
 The name tests are in `categorize`. On a GPU, XLA runs most kernels inside CUDA graphs whose trace
 events name the graph, not the HLO op; the kernel's own name (fusion names match the HLO's) is then
-used, and library kernels (cuBLAS, cuDNN) are told apart by name only. ``--no_command_buffers`` turns the graphs off (XLA_FLAGS) so every kernel keeps
-its HLO op, at some cost in launch overhead.
+used, and library kernels (cuBLAS, cuDNN) are told apart by name only. ``--no_command_buffers``
+turns the graphs off (XLA_FLAGS) so every kernel keeps its HLO op, at some cost in launch overhead.
 """
 
 import argparse
