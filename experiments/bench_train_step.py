@@ -108,6 +108,17 @@ def compiled_memory_gib(run, state, batch) -> float | None:
     return total / 2 ** 30
 
 
+def timed_steps(step, state, batch, steps: int):
+    """Runs ``step(state, batch) -> (state, out)`` ``steps`` times; (state, last out, seconds per call)."""
+    times, out = [], None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, out = step(state, batch)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return state, out, times
+
+
 def bench(style, d_model, n_layers, seq_len, batch, steps, remat, sets=(), fit_batches=(), profile_dir=""):
     """One model's row: step time, tokens/s, MFU, memory, drops (or 'oom')."""
     cfg = build_config(style, d_model, n_layers, seq_len, batch, remat, sets)
@@ -130,12 +141,7 @@ def bench(style, d_model, n_layers, seq_len, batch, steps, remat, sets=(), fit_b
         row["compile_s"] = time.perf_counter() - t0
         state, m = step(state, batch_)
         jax.block_until_ready(m)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            state, m = step(state, batch_)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t0)
+        state, m, times = timed_steps(step, state, batch_, steps)
     except Exception as err:  # noqa: BLE001 - an out-of-memory step is a result of the benchmark
         if not _is_oom(err):
             raise

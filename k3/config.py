@@ -106,6 +106,7 @@ def default_config() -> ConfigDict:
     o.qk_clip_tau = 100.0
     o.per_head_muon = False
     o.mu_dtype = "float32"  # first moments (Muon, Adam); 'bfloat16' also runs Newton-Schulz in bf16
+    o.newton_schulz = "folded"  # Muon's iteration: 'folded' (k3.muon, fewer passes) or 'optax' (reference)
 
     h = c.mesh = ConfigDict()  # device mesh sizes (k3.sharding); -1 fills the rest; all 1: one device
     h.data = 1
@@ -153,6 +154,7 @@ _CHOICES = {
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd", "external"),
     "optim.mu_dtype": ("float32", "bfloat16"),
+    "optim.newton_schulz": ("folded", "optax"),
     "data.source": ("stdlib", "site_packages", "text_dir", "jsonl", "tokens"),
     "data.tokenizer": ("bpe", "byte"),
     "data.tokens_dtype": ("uint16", "uint32"),

@@ -39,6 +39,8 @@ import optax
 from flax import nnx
 from flax.nnx import traversals
 
+from k3 import muon as muon_lib
+
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
 
 # Axes that index independent matrices when they lead the shape: scanned layer stacks and routed
@@ -276,11 +278,23 @@ def _adam_decay_mask(mask: dict, dims: dict) -> dict:
                         is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
 
+def _optax_muon(learning_rate, dims: dict, **kw) -> optax.GradientTransformation:
+    """``optax.contrib.muon`` with the arguments of `k3.muon.muon` (its reference implementation)."""
+    return optax.contrib.muon(learning_rate=learning_rate, muon_weight_dimension_numbers=dims,
+                              adam_weight_decay=0.0,  # unmasked in optax; done per leaf by the caller
+                              **kw)
+
+
+# optim.newton_schulz -> the Muon+AdamW transformation. Both have the same state tree.
+NEWTON_SCHULZ = {"folded": muon_lib.muon, "optax": _optax_muon}
+
+
 def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer for ``cfg.optim`` over ``cfg.steps`` steps, and its learning-rate schedule.
 
-    'muon': ``optax.contrib.muon`` on the matrices chosen by `muon_dimension_numbers` (Nesterov
-    momentum ``optim.momentum``, 5 Newton–Schulz steps, ``consistent_rms=0.2``: each update is
+    'muon': Muon (``optim.newton_schulz``: `k3.muon.muon`, or ``optax.contrib.muon`` itself) on
+    the matrices chosen by `muon_dimension_numbers` (Nesterov momentum ``optim.momentum``, 5
+    Newton–Schulz steps, ``consistent_rms=0.2``: each update is
     rescaled to RMS 0.2 like AdamW's (Moonlight), so Muon can share AdamW's learning rate),
     decoupled weight decay on every Muon matrix; the rest by (Nesterov) AdamW with
     ``optim.b1/b2/eps`` at a schedule peaking at ``optim.adam_lr``, decayed per
@@ -316,19 +330,18 @@ def build_optimizer(cfg, params_state: nnx.State) -> tuple[optax.GradientTransfo
         cast = [_cast_muon_grads(dims, mu_dtype)] if mu_dtype != jnp.float32 else []
         core = optax.chain(
             *cast,
-            optax.contrib.muon(
+            NEWTON_SCHULZ[o.newton_schulz](
                 learning_rate=schedule,
                 beta=o.momentum,
-                nesterov=True,  # optax passes the same flag to its AdamW part (NAdamW)
+                nesterov=True,  # the same flag goes to the AdamW part (NAdamW)
                 eps=o.eps,
                 weight_decay=o.weight_decay,  # applies to Muon leaves only, all of them decay
                 consistent_rms=0.2,
                 adam_b1=o.b1,
                 adam_b2=o.b2,
                 adam_learning_rate=adam_schedule,
-                adam_weight_decay=0.0,  # unmasked in optax; done per leaf just below
-                muon_weight_dimension_numbers=dims,
                 mu_dtype=mu_dtype,
+                dims=dims,
             ),
             _scheduled_weight_decay(adam_schedule, o.weight_decay, _adam_decay_mask(mask, dims)),
         )

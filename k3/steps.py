@@ -163,18 +163,25 @@ def make_run(cfg) -> tuple[Run, dict]:
 
     def train_step(state, batch):
         params, rest = state["params"], state["rest"]
-        # Micro-batch i takes rows i, i + accum, ...: each device's rows stay on it.
-        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1),
-                             batch)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if accum == 1:
+            # No loop: XLA keeps a one-trip while, and its zero-filled gradient carry costs a write and
+            # an add over every parameter per step.
+            (loss, aux), grads = grad_fn(params, rest, batch)
+            losses, aux_A = loss[None], jax.tree.map(lambda x: x[None], aux)
+        else:
+            # Micro-batch i takes rows i, i + accum, ...: each device's rows stay on it.
+            micro = jax.tree.map(
+                lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1), batch)
 
-        def one(grad_sum, mb):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, mb)
-            # Summed in the carry: one gradient buffer whatever the number of micro-batches.
-            return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux)
+            def one(grad_sum, mb):
+                (loss, aux), grads = grad_fn(params, rest, mb)
+                # Summed in the carry: one gradient buffer whatever the number of micro-batches.
+                return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (losses, aux_A) = jax.lax.scan(one, zeros, micro)
-        grads = jax.tree.map(lambda g: g / accum, grad_sum)
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grad_sum, (losses, aux_A) = jax.lax.scan(one, zeros, micro)
+            grads = jax.tree.map(lambda g: g / accum, grad_sum)
         stats = _combine_stats(aux_A["layer_stats"], cfg.model.moe.balancing)
         loads = jnp.sum(aux_A["expert_load"], axis=0)
         grad_norm = optax.global_norm(grads)

@@ -308,3 +308,33 @@ def test_params_cli_reports_a_bad_config_in_one_line():
     out = launch("launch.params", "--config=experiments/configs/k3_tiny.py", "--config.optim.b2=1.5", timeout=120)
     expected = "error: bad config: config key optim.b2 must be in [0, 1), got 1.5"
     assert out.returncode == 2 and out.stderr.strip() == expected
+
+
+@pytest.mark.slow
+def test_one_micro_batch_step_equals_accumulated_step():
+    """optim.grad_accum=1 (no loop) and =2 (two micro-batches summed) take the same step."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from conftest import tiny_model_cfg
+    from k3.config import default_config
+    from k3.steps import make_run
+
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, 97, (4, 17)).astype(np.int32)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((4, 16), np.int32),
+             "loss_mask": np.ones((4, 16), np.float32)}
+    out = {}
+    for accum in (1, 2):
+        c = default_config()
+        c.model = tiny_model_cfg()
+        c.data.seq_len, c.data.batch_size = 16, 4
+        c.optim.grad_accum = accum
+        run, state = make_run(c)
+        state, metrics = run.train_step(state, batch)
+        out[accum] = (float(metrics["loss"]), float(metrics["grad_norm"]), nnx.to_pure_dict(state["params"]))
+    np.testing.assert_allclose(out[1][0], out[2][0], rtol=1e-5)
+    np.testing.assert_allclose(out[1][1], out[2][1], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(out[1][2]), jax.tree.leaves(out[2][2])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -1,0 +1,171 @@
+"""Muon with a folded Newton-Schulz iteration: the same update as ``optax.contrib.muon``, fewer passes.
+
+Muon orthogonalises each matrix's (Nesterov) momentum G with five steps of the quintic iteration
+
+    X_0 = G / (||G||_F + eps),    X_{k+1} = a X_k + b A_k X_k + c A_k^2 X_k,    A_k = X_k X_k^T
+
+(X oriented so that it has no more rows than columns). ``optax.contrib.muon`` writes it as above:
+a normalisation pass over G, then per step the Gram matmul, a small A @ A, the B @ X matmul and an
+elementwise a X + B X over the whole matrix. :func:`newton_schulz` applies the same polynomial as
+one matmul per step, X_{k+1} = M_k X_k with the small M_k = a I + b A_k + c A_k^2 formed in fp32:
+no elementwise pass over X. The normalisation folds into the first step: ||G||_F^2 = trace(G G^T),
+so X_1 = (M_0 / (||G||_F + eps)) G with A_0 = G G^T / (||G||_F + eps)^2, and G is read by the two
+matmuls only. Per step that is two reads and one write of X (Gram, then M X) against about four
+reads and two writes. Every product accumulates in fp32, and the first Gram matrix and each M are
+formed in fp32 (optax forms them in X's dtype: bf16 under ``optim.mu_dtype='bfloat16'``).
+
+:func:`muon` composes it exactly as ``optax.contrib.muon`` composes its own (Muon leaves: momentum,
+orthogonalisation, consistent-RMS scale, decoupled weight decay, learning rate; the others: AdamW),
+with the same optimizer-state tree, so a checkpoint of either restores into the other. Selected by
+``optim.newton_schulz`` (`k3.optim.NEWTON_SCHULZ`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, MuonState
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c), as optax's default
+
+
+def _matrix_axes(ndim: int, dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(batch, reduction, output) axes of an ndim-array, each ascending; batch = all the others."""
+    as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
+    red = tuple(a % ndim for a in as_tuple(dims.reduction_axis))
+    out = tuple(a % ndim for a in as_tuple(dims.output_axis))
+    if set(red) & set(out):
+        raise ValueError(f"reduction axes {red} and output axes {out} overlap")
+    batch = tuple(a for a in range(ndim) if a not in red and a not in out)
+    return batch, red, out
+
+
+def _to_matrices(x: jax.Array, dims: MuonDimensionNumbers):
+    """x -> (x_BRO [batch, reduction, output], inverse); a copy only when the axes are out of order."""
+    batch, red, out = _matrix_axes(x.ndim, dims)
+    perm = batch + red + out
+    size = lambda axes: math.prod(x.shape[a] for a in axes)
+    x_BRO = jnp.transpose(x, perm).reshape(size(batch), size(red), size(out))
+    moved = tuple(x.shape[a] for a in perm)
+    inv = tuple(perm.index(a) for a in range(x.ndim))
+    return x_BRO, lambda y: jnp.transpose(y.reshape(moved), inv)
+
+
+def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5, coeffs=NS_COEFFS,
+                  eps: float = 1e-8) -> jax.Array:
+    """Orthogonalises every matrix of ``x`` (any rank, same shape and dtype out) by ``steps`` quintic
+    Newton-Schulz steps, in the folded form of the module docstring.
+
+    ``dims`` names the reduction (input) and output axes of each matrix; every other axis is a batch
+    axis. The matmuls take x's dtype and accumulate in fp32; the first Gram matrix (whose trace is the
+    squared norm) and every M are formed in fp32. Matches ``optax.contrib.orthogonalize_via_newton_schulz`` (Frobenius preconditioning) up to
+    rounding.
+    """
+    a, b, c = (float(v) for v in coeffs)
+    x_BRO, back = _to_matrices(x, dims)
+    R, O = x_BRO.shape[1:]
+    # The iteration runs on the short side: A is min(R, O) square. Contracting the long side in place
+    # (rather than transposing X) keeps X where it is.
+    gram_eq, apply_eq = ("bro,bso->brs", "brs,bso->bro") if R <= O else ("bro,brp->bop", "bop,brp->bro")
+    n = min(R, O)
+    lp = x.dtype  # the big matmuls' input dtype (bf16 under optim.mu_dtype='bfloat16')
+    acc = jnp.promote_types(lp, jnp.float32)  # accumulation, and the dtype of M
+    eye = jnp.eye(n, dtype=acc)
+
+    def poly(A):
+        # A @ A leaves its matmul in x's dtype: M is the only matrix-sized fp32 value (and fuses
+        # into the cast that feeds the next matmul), so the m x m traffic stays at about X's.
+        A_lp = A.astype(lp)
+        A2 = jnp.einsum("bij,bjk->bik", A_lp, A_lp, preferred_element_type=acc).astype(lp)
+        return a * eye + b * A.astype(acc) + c * A2.astype(acc)
+
+    def step(y, M):
+        return jnp.einsum(apply_eq, M.astype(lp), y, preferred_element_type=acc).astype(lp)
+
+    def gram(y, dtype=lp):
+        return jnp.einsum(gram_eq, y, y, preferred_element_type=acc).astype(dtype)
+
+    if steps <= 0:
+        norm = jnp.sqrt(jnp.sum(jnp.square(x_BRO.astype(acc)), axis=(1, 2), keepdims=True))
+        return back((x_BRO / (norm + eps)).astype(lp))
+    A0 = gram(x_BRO, acc)  # fp32: its trace is the squared norm
+    scale = 1.0 / (jnp.sqrt(jnp.trace(A0, axis1=1, axis2=2)) + eps)[:, None, None]
+    y = step(x_BRO, poly(A0 * scale * scale) * scale)
+    for _ in range(steps - 1):
+        y = step(y, poly(gram(y)))
+    return back(y)
+
+
+def _is_dims(x) -> bool:
+    return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+def scale_by_muon(dims: dict, beta: float, mu_dtype=None, nesterov: bool = True, steps: int = 5,
+                  coeffs=NS_COEFFS, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Muon's direction on the leaves of ``dims`` that are `MuonDimensionNumbers`: the bias-corrected
+    (Nesterov) momentum, orthogonalised by :func:`newton_schulz`. The state is optax's ``MuonState``
+    and the momentum arithmetic is optax's, so this differs from ``optax.contrib.scale_by_muon`` only
+    in how the polynomial is evaluated. ``dims`` has the structure of the (masked) updates."""
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+    def init_fn(params):
+        return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+                         ns_coeffs=jnp.asarray(coeffs))
+
+    def update_fn(updates, state, params=None):
+        del params
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        if nesterov:
+            mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                                  optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                                  optax.tree.bias_correction(updates, beta, count))
+        else:
+            mu_hat = optax.tree.bias_correction(mu, beta, count)
+        # dims leads the map: under optax.partition the Adam leaves (dims None) are MaskedNodes here.
+        out = jax.tree.map(lambda d, x: x if d is None else newton_schulz(x, d, steps, coeffs, eps),
+                           dims, mu_hat, is_leaf=_is_dims)
+        return out, MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _consistent_rms(dims: dict, rms: float) -> optax.GradientTransformation:
+    """Scales each Muon leaf by rms * sqrt(max(fan_in, fan_out)), so its update RMS is about ``rms``."""
+    def scale(u, d):
+        if d is None:
+            return u
+        _, red, out = _matrix_axes(u.ndim, d)
+        fan = max(math.prod(u.shape[a] for a in red), math.prod(u.shape[a] for a in out))
+        return u * jnp.asarray(math.sqrt(fan) * rms, u.dtype)
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda d, u: scale(u, d), dims, updates, is_leaf=_is_dims), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def muon(learning_rate, dims: dict, *, beta: float, eps: float, weight_decay: float, consistent_rms: float,
+         adam_b1: float, adam_b2: float, adam_learning_rate, mu_dtype=None, nesterov: bool = True,
+         steps: int = 5) -> optax.GradientTransformation:
+    """``optax.contrib.muon`` with the folded Newton-Schulz (same arguments as used by `k3.optim`;
+    same state tree): Muon on the leaves whose ``dims`` entry is a `MuonDimensionNumbers`, AdamW
+    (Nesterov when ``nesterov``, no weight decay) on those where it is None."""
+    labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims, is_leaf=_is_dims)
+    return optax.partition(
+        transforms={
+            "muon": optax.chain(
+                scale_by_muon(dims, beta, mu_dtype, nesterov, steps, NS_COEFFS, eps),
+                _consistent_rms(dims, consistent_rms),
+                optax.add_decayed_weights(weight_decay),
+                optax.scale_by_learning_rate(learning_rate),
+            ),
+            "adam": optax.adamw(learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
+                                weight_decay=0.0, mu_dtype=mu_dtype, nesterov=nesterov),
+        },
+        param_labels=labels,
+    )
