@@ -14,7 +14,9 @@ large share of the step; this separates it. Printed per row:
 - ``bytes floor ms``: parameters, gradients and optimizer state read once and parameters and state
   written once, over the HBM bandwidth;
 - ``floor frac``: (NS floor + bytes floor) / ms, the share of the hardware bound reached;
-- ``vs first``: the first impl's time over this row's (> 1: faster).
+- ``vs first``: the first impl's time over this row's (> 1: faster);
+- ``temp GiB``: XLA's temporaries for the update (compiled memory analysis), the memory the
+  optimizer needs on top of parameters, gradients and state.
 
 With ``--profile_dir`` each row's kernels are traced and split into matmuls and the rest
 (`experiments.profile_step`).
@@ -80,6 +82,7 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
 
     state = (params, opt)
     step = jax.jit(update, donate_argnums=0).lower(state, grads).compile()
+    mem = step.memory_analysis()
     state, n = step(state, grads)
     jax.block_until_ready(n)
     state, _, times = timed_steps(step, state, grads, steps)
@@ -91,7 +94,10 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
            "params": sum(x.size for x in jax.tree.leaves(params)), "ms": ms,
            "ms_spread": (max(times) - min(times)) * 1e3, "ns_tflop": ns_flops / 1e12, "bytes_gb": moved / 1e9,
            "ns_floor_ms": ns_flops / peak * 1e3 if peak else None,
-           "bytes_floor_ms": moved / hbm * 1e3 if hbm else None}
+           "bytes_floor_ms": moved / hbm * 1e3 if hbm else None,
+           # XLA's temporaries for the update beyond its inputs: what the optimizer adds to the state
+           # at its own peak (after the backward has freed the activations).
+           "temp_gib": mem.temp_size_in_bytes / 2 ** 30 if mem is not None else None}
     if peak and hbm:
         row["floor_frac"] = (row["ns_floor_ms"] + row["bytes_floor_ms"]) / ms
     if profile_dir:
@@ -104,14 +110,14 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
 
 def print_table(rows) -> None:
     print(f"\n{'model':<12}{'impl':<8}{'params M':>9}{'ms':>9}{'NS TFLOP':>10}{'NS floor ms':>12}"
-          f"{'bytes GB':>9}{'bytes floor ms':>15}{'floor frac':>11}{'vs first':>9}")
+          f"{'bytes GB':>9}{'bytes floor ms':>15}{'floor frac':>11}{'vs first':>9}{'temp GiB':>9}")
     first = {}
     for r in rows:
         first.setdefault(r["model"], r["ms"])
         fmt = lambda v, f: format(v, f) if v is not None else format("n/a", ">" + f.split(".")[0])
         print(f"{r['model']:<12}{r['impl']:<8}{r['params'] / 1e6:>9.0f}{r['ms']:>9.2f}{r['ns_tflop']:>10.2f}"
               f"{fmt(r['ns_floor_ms'], '12.2f')}{r['bytes_gb']:>9.1f}{fmt(r['bytes_floor_ms'], '15.2f')}"
-              f"{fmt(r.get('floor_frac'), '11.1%')}{first[r['model']] / r['ms']:>9.2f}")
+              f"{fmt(r.get('floor_frac'), '11.1%')}{first[r['model']] / r['ms']:>9.2f}{fmt(r.get('temp_gib'), '9.2f')}")
         if "profile" in r:
             p = r["profile"]
             cats = ", ".join(f"{k} {v:.1f}" for k, v in p["ms"].items() if v > 0.05)

@@ -49,7 +49,8 @@ def main():
         est = P.plan(P.load_model(cfg), one, "h200", batch=batch, seq=a.seq_len, remat=r["remat"])
         mem = est["memory"]
         state = (mem["params"] + mem["optimizer"] + mem["gradients"]) / 2**30
-        saved = P.saved_residual_bytes(cfg, batch, a.seq_len) / 2**30
+        # One micro-batch's residuals are alive at a time.
+        saved = P.saved_residual_bytes(cfg, batch // cfg.optim.grad_accum, a.seq_len) / 2**30
         peak = r.get("peak_gib")
         measured = f"{peak:.1f} GiB" if peak else (r.get("oom", "")[:60] or "n/a")
         rest = f"{peak - state - saved:>7.1f}" if peak else f"{'-':>7}"
