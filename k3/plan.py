@@ -22,6 +22,8 @@ Per-device bytes (1 GB = 1e9 bytes):
   gradients    bytes(params) (the train step differentiates w.r.t. the stored float32 parameters); with
                optim.grad_accum = A > 1 the step adds each micro-batch's gradients into one running
                sum: 2 x bytes(params).
+  optimizer transient  Muon's Newton-Schulz working set during the update (`muon_work`); the update
+               runs after the backward, so the total counts the larger of it and the activations.
   activations  an ESTIMATE of the peak, see `activation_estimate` and `layer_residual_bytes`. What a
                layer keeps for its backward comes from its mechanisms' formulas (`k3.kda.cost`,
                `k3.mla.cost`, `k3.moe.cost`, `k3.ffn`, `k3.attn_res`), whose per-element constants
@@ -37,8 +39,9 @@ S (n-1)/n), in the compute dtype (XLA reshards at the matmul operand, after the 
 and times grad_accum; see `collective_estimate`. Times use the device table's link bandwidths: a group
 of devices inside one node runs at the intra-node rate, a group spanning nodes at the inter-node rate
 (all-to-all: its cross-node share at the inter-node rate). Compute time = k3.params' 'full' FLOPs
-(x 4/3 with remat: the forward runs twice) / (peak * MFU). Verdict: FITS when parameters + optimizer
-+ gradients + activations <= device memory * (1 - headroom).
+(x 4/3 with remat: the forward runs twice) / (peak * MFU), plus the Newton-Schulz FLOPs of one Muon
+update / (peak * MFU), which do not overlap the model's. Verdict: FITS when parameters + optimizer +
+gradients + max(activations, optimizer transient) <= device memory * (1 - headroom).
 
 ``--suggest --devices=N`` plans every mesh over (data, fsdp, expert | n_experts, context=1, tensor in
 {1, 2, 4, 8}) at one sequence per device per micro-batch (or ``--batch``) and ranks the fitting ones
@@ -235,6 +238,7 @@ class ParamInfo:
     routed: bool
     region: str
     layer: int | None
+    ns: tuple[int, int, int] | None = None  # Muon: (matrices, short side m, long side n); else None
     elems: int = dataclasses.field(init=False)
     nbytes: int = dataclasses.field(init=False)
     name: str = dataclasses.field(init=False)
@@ -253,13 +257,46 @@ def param_infos(params_state, per_head: bool = False) -> list[ParamInfo]:
         name = str(path[-1])
         region = {"head_layers": "head", "body": "body", "tail_layers": "tail"}.get(str(path[0]), "top")
         layer = int(path[1]) if region in ("head", "tail") else None
+        dims = k3_optim.param_dimension_numbers(name, axes, per_head)
         out.append(ParamInfo(
             path=tuple(path), shape=tuple(var.shape), itemsize=np.dtype(var.dtype).itemsize,
-            dtype=np.dtype(var.dtype).name, axes=axes,
-            muon=k3_optim.param_dimension_numbers(name, axes, per_head) is not None,
+            dtype=np.dtype(var.dtype).name, axes=axes, muon=dims is not None,
             routed=name in ROUTED and "experts" in axes and "expert_embed" in axes,
-            region=region, layer=layer))
+            region=region, layer=layer, ns=None if dims is None else _ns_matrices(tuple(var.shape), dims)))
     return out
+
+
+def _ns_matrices(shape: tuple[int, ...], dims) -> tuple[int, int, int]:
+    """(number of matrices, short side, long side) that Muon orthogonalises in a parameter of ``shape``."""
+    r = math.prod(shape[i] for i in dims.reduction_axis)
+    o = math.prod(shape[i] for i in dims.output_axis)
+    return math.prod(shape) // (r * o), min(r, o), max(r, o)
+
+
+NS_STEPS = 5  # Newton-Schulz steps per Muon update (`k3.muon`, optax's default)
+
+
+def muon_work(infos: list[ParamInfo], shards: list[int], mu_bytes: int) -> dict:
+    """Per-device Newton-Schulz FLOPs of one optimizer update and the update's transient bytes.
+
+    Per Muon matrix m x n (m <= n): NS_STEPS x (4 m^2 n + 2 m^3) FLOPs (Gram, M X, and A^2), and
+    live while it runs: X in the momentum dtype (``mu_bytes``) plus per matrix three m x m in that
+    dtype (A, A^2, M) and the first Gram matrix in fp32. Counted as if every matrix were in flight at
+    once (XLA may schedule them so), which bounds the transient from above: for K2 and K3 1024:12
+    with bf16 moments it gives 12.7 and 8.2 GiB where XLA's CPU memory analysis of the compiled
+    update (`experiments.bench_optimizer`'s temp GiB) reports 11.3 and 6.9. Each parameter's share
+    is divided by its shard count: exact when the matrices are split over the batch axes (experts
+    over 'expert'), XLA's partitioning of the matmuls otherwise (whose collectives are not counted).
+    Returns {'flops', 'transient'} per device.
+    """
+    flops = transient = 0.0
+    for p, n_shards in zip(infos, shards):
+        if p.ns is None:
+            continue
+        b, m, n = p.ns
+        flops += NS_STEPS * (4 * m * m * n + 2 * m ** 3) * b / n_shards
+        transient += (mu_bytes * b * m * n + (3 * mu_bytes + 4) * b * m * m) / n_shards
+    return {"flops": flops, "transient": transient}
 
 
 def param_shard_axes(info: ParamInfo, sharder: Sharder) -> tuple[tuple[str, ...], ...]:
@@ -808,7 +845,10 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     gbuf = gather_buffer_bytes(mdl.infos, comm_info, a, repeats)
     act = activation_estimate(cfg, lay, remat, gbuf)
     rest = router_bias_bytes(m.moe) * sum(1 for _, f in kinds if f == "moe")
-    total = pb["total"] + ob["total"] + grads + act["peak"] + rest
+    ns = (muon_work(mdl.infos, shards, np.dtype(cfg.optim.mu_dtype).itemsize) if cfg.optim.name == "muon"
+          else {"flops": 0.0, "transient": 0.0})
+    # The update runs after the backward has freed the activations: the larger of the two peaks counts.
+    total = pb["total"] + ob["total"] + grads + max(act["peak"], ns["transient"]) + rest
     usable = dev.memory_bytes * (1 - headroom)
 
     comm = collective_estimate(cfg, mdl.infos, sh, lay, remat, dev, comm_info)
@@ -819,8 +859,10 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     hw_factor = 4 / 3 if act["remat_effective"] else 1.0
     model_flops = fpt["full"] * device_tokens / tp
     compute_s = model_flops * hw_factor / (dev.bf16_flops * mfu)
+    # Once per update, whatever the tokens: at small batches it rivals the model's own FLOPs.
+    optimizer_s = ns["flops"] / (dev.bf16_flops * mfu)
     comm_s = sum(r["seconds"] for r in comm)
-    step_overlap, step_serial = max(compute_s, comm_s), compute_s + comm_s
+    step_overlap, step_serial = max(compute_s, comm_s) + optimizer_s, compute_s + comm_s + optimizer_s
 
     if lay.P > 1 and (m.moe.capacity_factor if capacity_factor is None else capacity_factor) <= 0:
         what = ("pads every all-to-all to" if lay.dispatch == "padded"
@@ -857,7 +899,8 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         "memory": {
             "params": pb["total"], "optimizer": ob["total"], "optimizer_muon": ob["muon"],
             "optimizer_adam": ob["adam"], "optimizer_other": ob["other"], "gradients": grads,
-            "activations": act["peak"], "router_biases": rest, "total": total,
+            "activations": act["peak"], "optimizer_transient": ns["transient"], "router_biases": rest,
+            "total": total,
             "device": dev.memory_bytes, "headroom": headroom, "usable": usable,
             "activation_terms": {k: act[k] for k in ("carries", "kept_layers", "kept_weights", "working_set",
                                                      "transient", "lm_head")},
@@ -869,6 +912,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         "collectives": comm,
         "time": {"flops_per_token": fpt["full"], "model_flops_per_device": model_flops, "mfu": mfu,
                  "remat_recompute_factor": hw_factor, "compute_s": compute_s, "comm_s": comm_s,
+                 "newton_schulz_flops_per_device": ns["flops"], "optimizer_s": optimizer_s,
                  "step_s_overlapped": step_overlap, "step_s_serial": step_serial,
                  "tokens_per_s": step_tokens / step_serial if step_serial else 0.0},
         "notes": notes,
@@ -925,6 +969,8 @@ def format_plan(p: dict) -> str:
         *(f"      one {kind} layer: {r['total'] / GB:.2f} GB ("
           + ", ".join(f"{t} {v / GB:.2f}" for t, v in r.items() if t not in ("total", "transient"))
           + ")" for kind, r in mem["per_layer_kind"].items()),
+        row("optimizer update's transient (Newton-Schulz)", mem["optimizer_transient"],
+            "   (after the backward: the larger of it and the activations counts)"),
         row("router biases", mem["router_biases"]),
         row("total", mem["total"]),
         row(f"device memory {mem['device'] / GB:.1f} GB, usable with {mem['headroom']:.0%} headroom", mem["usable"]),
@@ -946,6 +992,8 @@ def format_plan(p: dict) -> str:
         f"{p['tokens_per_device_step']:,} tokens / tensor {p['mesh']['tensor']}"
         f"{' x 4/3 recompute' if t['remat_recompute_factor'] > 1 else ''} at {t['mfu']:.0%} MFU: "
         f"{t['compute_s']:.3f} s",
+        f"  optimizer (estimate): {t['newton_schulz_flops_per_device'] / 1e12:.2f} TFLOP of Newton-Schulz per update "
+        f"at {t['mfu']:.0%} MFU: {t['optimizer_s']:.3f} s",
         f"  step time (estimate): {t['step_s_overlapped']:.3f} s with communication fully overlapped, "
         f"{t['step_s_serial']:.3f} s with none ({t['tokens_per_s'] / 1e6:.2f}M tokens/s)",
     ]
