@@ -287,16 +287,18 @@ def muon_work(infos: list[ParamInfo], shards: list[int], mu_bytes: int) -> dict:
     update (`experiments.bench_optimizer`'s temp GiB) reports 11.3 and 6.9. Each parameter's share
     is divided by its shard count: exact when the matrices are split over the batch axes (experts
     over 'expert'), XLA's partitioning of the matmuls otherwise (whose collectives are not counted).
-    Returns {'flops', 'transient'} per device.
+    Returns {'flops', 'transient', 'largest'} per device; 'largest' is the one parameter's share
+    that an update processing the matrices one after another would need.
     """
-    flops = transient = 0.0
+    flops = transient = largest = 0.0
     for p, n_shards in zip(infos, shards):
         if p.ns is None:
             continue
         b, m, n = p.ns
         flops += NS_STEPS * (4 * m * m * n + 2 * m ** 3) * b / n_shards
-        transient += (mu_bytes * b * m * n + (3 * mu_bytes + 4) * b * m * m) / n_shards
-    return {"flops": flops, "transient": transient}
+        one = (mu_bytes * b * m * n + (3 * mu_bytes + 4) * b * m * m) / n_shards
+        transient, largest = transient + one, max(largest, one)
+    return {"flops": flops, "transient": transient, "largest": largest}
 
 
 def param_shard_axes(info: ParamInfo, sharder: Sharder) -> tuple[tuple[str, ...], ...]:
@@ -846,7 +848,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     act = activation_estimate(cfg, lay, remat, gbuf)
     rest = router_bias_bytes(m.moe) * sum(1 for _, f in kinds if f == "moe")
     ns = (muon_work(mdl.infos, shards, np.dtype(cfg.optim.mu_dtype).itemsize) if cfg.optim.name == "muon"
-          else {"flops": 0.0, "transient": 0.0})
+          else {"flops": 0.0, "transient": 0.0, "largest": 0.0})
     # The update runs after the backward has freed the activations: the larger of the two peaks counts.
     total = pb["total"] + ob["total"] + grads + max(act["peak"], ns["transient"]) + rest
     usable = dev.memory_bytes * (1 - headroom)
@@ -884,6 +886,11 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         notes.append("no parameter is sharded over context: every context rank holds the full FSDP shard; "
                      f"--config.mesh.rule_overrides={context_fsdp_overrides(cfg.mesh.rule_overrides)} "
                      "would shard them (ZeRO over the context ranks too)")
+    if ns["transient"] > act["peak"]:
+        notes.append(f"the optimizer update's transient ({ns['transient'] / GB:.1f} GB) decides the total, not the "
+                     f"activations ({act['peak'] / GB:.1f} GB): it counts every matrix's Newton-Schulz in flight at "
+                     "once (XLA's CPU compile of the update keeps 0.6-0.9 of that); one matrix at a time would need "
+                     f"{ns['largest'] / GB:.1f} GB")
     big_rep = [(b, n) for b, n in pb["replicated"] if b >= 2**20]
     return {
         "name": cfg.name, "device": dev.description, "device_key": device if isinstance(device, str) else "",
