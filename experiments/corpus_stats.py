@@ -3,7 +3,10 @@
     python -m experiments.corpus_stats [--source=site_packages] [--path=DIR[:DIR...]] [--val_fraction=0.02]
 
 For 'site_packages' (the default here): the directories scanned, files seen and kept, bytes seen and
-kept, files and bytes dropped per rule (`k3.data.corpus.scan_site_packages`) and duplicates; for
+kept, files and bytes dropped per rule (`k3.data.corpus.scan_site_packages`) and duplicates, and
+``other_source_bytes``: files and bytes per suffix of the source and config text the corpus does not
+read (C/C++/CUDA sources and headers, Cython, JSON/YAML/TOML, shell), before any drop rule, which
+sizes what a wider suffix list could add; for
 'stdlib': files and bytes. Both add the train/validation split (files and bytes) that training with
 ``data.val_fraction`` would use. The site-packages corpus depends on what is installed, so its
 numbers are per machine and environment.
@@ -20,6 +23,29 @@ import numpy as np
 
 from k3.config import default_config
 from k3.data import corpus as corpus_lib
+
+
+# Source and config text outside `k3.data.corpus.SITE_PACKAGES_SUFFIXES` (sized, not read).
+OTHER_SOURCE_SUFFIXES = (".h", ".hpp", ".hh", ".cuh", ".c", ".cc", ".cpp", ".cu", ".pyx", ".pxd", ".json",
+                         ".yaml", ".yml", ".toml", ".cfg", ".sh")
+
+
+def other_source_bytes(roots) -> dict:
+    """{suffix: [files, bytes]} of the `OTHER_SOURCE_SUFFIXES` files under ``roots`` (sorted by bytes)."""
+    found = {suf: [0, 0] for suf in OTHER_SOURCE_SUFFIXES}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                suf = os.path.splitext(name)[1].lower()
+                if suf in found and not name.startswith("."):
+                    try:
+                        size = os.path.getsize(os.path.join(dirpath, name))
+                    except OSError:
+                        continue
+                    found[suf][0] += 1
+                    found[suf][1] += size
+    return dict(sorted(((k, v) for k, v in found.items() if v[0]), key=lambda kv: -kv[1][1]))
 
 
 def corpus_stats(source: str = "site_packages", path: str = "", val_fraction: float | None = None) -> dict:
@@ -57,6 +83,8 @@ def corpus_stats(source: str = "site_packages", path: str = "", val_fraction: fl
         train_files=int((~is_val).sum()), train_bytes=int(sizes[~is_val].sum()),
         val_files=int(is_val.sum()), val_bytes=int(sizes[is_val].sum()),
     )
+    if source == "site_packages":
+        out["other_source_bytes"] = other_source_bytes(stats["roots"])
     return out
 
 

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from experiments.corpus_stats import corpus_stats
+from experiments.corpus_stats import OTHER_SOURCE_SUFFIXES, corpus_stats, other_source_bytes
 from k3.config import ConfigError, default_config, validate
 from k3.data import DataError, prepare_data
 from k3.data.corpus import (
@@ -219,6 +219,17 @@ def test_corpus_stats_cli_numbers(site):
     assert out["bytes_kept"] == out["train_bytes"] + out["val_bytes"]
     assert out["val_files"] == len(load_text_corpus("site_packages", str(site), val_fraction=0.3).doc_names("val"))
     assert out["dropped"]["legal"] == 5
+    assert "other_source_bytes" in out and all(suf in OTHER_SOURCE_SUFFIXES for suf in out["other_source_bytes"])
+
+
+def test_corpus_stats_sizes_other_source_files(tmp_path):
+    root = tmp_path / "site-packages"
+    kernel = "__global__ void k() {}\n"
+    _write(root, {"pkg/__init__.py": "x = 1\n", "pkg/include/a.h": "int a;\n", "pkg/include/b.h": "int bb;\n",
+                  "pkg/k.cu": kernel, "pkg/.hidden/c.h": "int c;\n", "pkg/data.bin": "zz"})
+    found = other_source_bytes([str(root)])
+    assert found == {".cu": [1, len(kernel)], ".h": [2, len("int a;\n") + len("int bb;\n")]}
+    assert list(found) == [".cu", ".h"]  # largest first
 
 
 def test_site_packages_roots_of_this_python():
