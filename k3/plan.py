@@ -282,13 +282,13 @@ def muon_work(infos: list[ParamInfo], shards: list[int], mu_bytes: int) -> dict:
     Per Muon matrix m x n (m <= n): NS_STEPS x (4 m^2 n + 2 m^3) FLOPs (Gram, M X, and A^2), and
     live while it runs: X in the momentum dtype (``mu_bytes``) plus per matrix three m x m in that
     dtype (A, A^2, M) and the first Gram matrix in fp32. Counted as if every matrix were in flight at
-    once (XLA may schedule them so), which bounds the transient from above: for K2 and K3 1024:12
+    once (XLA may schedule them so), meant as an upper bound; measured against it: for K2 and K3 1024:12
     with bf16 moments it gives 12.7 and 8.2 GiB where XLA's CPU memory analysis of the compiled
     update (`experiments.bench_optimizer`'s temp GiB) reports 11.3 and 6.9. Each parameter's share
     is divided by its shard count: exact when the matrices are split over the batch axes (experts
     over 'expert'), XLA's partitioning of the matmuls otherwise (whose collectives are not counted).
-    Returns {'flops', 'transient', 'largest'} per device; 'largest' is the one parameter's share
-    that an update processing the matrices one after another would need.
+    Returns {'flops', 'transient', 'largest'} per device; 'largest' is the largest single
+    parameter's share of the transient.
     """
     flops = transient = largest = 0.0
     for p, n_shards in zip(infos, shards):
@@ -889,8 +889,8 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     if ns["transient"] > act["peak"]:
         notes.append(f"the optimizer update's transient ({ns['transient'] / GB:.1f} GB) decides the total, not the "
                      f"activations ({act['peak'] / GB:.1f} GB): it counts every matrix's Newton-Schulz in flight at "
-                     "once (XLA's CPU compile of the update keeps 0.6-0.9 of that); one matrix at a time would need "
-                     f"{ns['largest'] / GB:.1f} GB")
+                     "once (XLA's CPU compile of the update keeps 0.6-0.9 of that); the largest single parameter's "
+                     f"share is {ns['largest'] / GB:.1f} GB")
     big_rep = [(b, n) for b, n in pb["replicated"] if b >= 2**20]
     return {
         "name": cfg.name, "device": dev.description, "device_key": device if isinstance(device, str) else "",
