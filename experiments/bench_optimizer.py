@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 
@@ -35,27 +34,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from flax.nnx import traversals  # noqa: E402
 
 from experiments.bench_train_step import build_config, timed_steps  # noqa: E402
-from k3 import optim  # noqa: E402
+from k3 import optim, plan  # noqa: E402
 from k3.hardware import device_hbm_bandwidth, device_peak_flops  # noqa: E402
 from k3.steps import init_model  # noqa: E402
 
 
-def newton_schulz_flops(params: nnx.State, per_head: bool = False, steps: int = 5) -> float:
-    """FLOPs of ``steps`` quintic Newton-Schulz steps over every Muon matrix of ``params``."""
-    dims = traversals.flatten_mapping(optim.muon_dimension_numbers(params, per_head))
-    total = 0.0
-    for path, x in traversals.flatten_mapping(nnx.to_pure_dict(params)).items():
-        d = dims.get(path)
-        if d is None:
-            continue
-        r = math.prod(x.shape[i] for i in d.reduction_axis)
-        o = math.prod(x.shape[i] for i in d.output_axis)
-        m, n = min(r, o), max(r, o)
-        total += steps * (4 * m * m * n + 2 * m ** 3) * (math.prod(x.shape) // (r * o))
-    return total
+def newton_schulz_flops(params: nnx.State, per_head: bool = False) -> float:
+    """FLOPs of one update's Newton-Schulz over every Muon matrix of ``params`` on one device
+    (`k3.plan.muon_work`: 5 x (4 m^2 n + 2 m^3) per m x n matrix, m <= n)."""
+    infos = plan.param_infos(params, per_head)
+    return plan.muon_work(infos, [1] * len(infos), 2)["flops"]
 
 
 def _bytes(tree) -> int:

@@ -78,8 +78,7 @@ def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5, coef
     eye = jnp.eye(n, dtype=acc)
 
     def poly(A):
-        # A @ A leaves its matmul in x's dtype: M is the only matrix-sized fp32 value (and fuses
-        # into the cast that feeds the next matmul), so the m x m traffic stays at about X's.
+        # A @ A comes out in x's dtype like optax's; the sum that forms M is in fp32.
         A_lp = A.astype(lp)
         A2 = jnp.einsum("bij,bjk->bik", A_lp, A_lp, preferred_element_type=acc).astype(lp)
         return a * eye + b * A.astype(acc) + c * A2.astype(acc)
@@ -90,9 +89,8 @@ def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5, coef
     def gram(y, dtype=lp):
         return jnp.einsum(gram_eq, y, y, preferred_element_type=acc).astype(dtype)
 
-    if steps <= 0:
-        norm = jnp.sqrt(jnp.sum(jnp.square(x_BRO.astype(acc)), axis=(1, 2), keepdims=True))
-        return back((x_BRO / (norm + eps)).astype(lp))
+    if steps < 1:
+        raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")
     A0 = gram(x_BRO, acc)  # fp32: its trace is the squared norm
     scale = 1.0 / (jnp.sqrt(jnp.trace(A0, axis1=1, axis2=2)) + eps)[:, None, None]
     y = step(x_BRO, poly(A0 * scale * scale) * scale)

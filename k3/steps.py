@@ -165,8 +165,8 @@ def make_run(cfg) -> tuple[Run, dict]:
         params, rest = state["params"], state["rest"]
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if accum == 1:
-            # No loop: XLA keeps a one-trip while, and its zero-filled gradient carry costs a write and
-            # an add over every parameter per step.
+            # No loop: a one-trip scan stays a while loop in the compiled step (its kernels' scopes
+            # show it), with a zero-filled gradient carry and an add over every parameter.
             (loss, aux), grads = grad_fn(params, rest, batch)
             losses, aux_A = loss[None], jax.tree.map(lambda x: x[None], aux)
         else:
