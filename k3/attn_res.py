@@ -17,28 +17,125 @@ What the depth mixes cost is here too: their forward FLOPs (`attn_res_flops`, su
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3.nn import ones, param, zeros
+from jax.sharding import PartitionSpec
 
-# Bytes per candidate element [M, N, D] of one depth mix (fp32 candidates and their squares),
-# measured as the `k3.plan` docstring describes.
+from k3.backends import Table
+from k3.nn import ones, param, zeros
+from k3.sharding import Sharder
+from pallas_kernels.attn_res import depth_mix_pallas, kernel_width_ok
+
+# Bytes per candidate token of one depth mix: its probability, logit and inverse RMS in fp32, which
+# `depth_mix` (and the kernels) keep beside the candidates themselves.
 ATTN_RES_BYTES = 12.0
 
 
-class AttnResMix(nnx.Module):
-    """One depth mix: pseudo-query [D] (init 0) and key-norm gain [D] (init 1)."""
+def _mix_logits(v, w, eps):
+    """Unmasked logits and inverse RMS of candidates v [..., B, T, D] (compute dtype): ([..., B, T]) x 2."""
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps)
+    return jnp.einsum("...btd,d->...bt", v, w) * r, r
 
-    def __init__(self, d_model: int, eps: float, *, rngs: nnx.Rngs):
-        self.eps = eps
+
+def _compute_dtype(*xs):
+    return jnp.float64 if any(x.dtype == jnp.float64 for x in xs) else jnp.float32
+
+
+def _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
+    dt = _compute_dtype(cands_MBTD, extra_BTD)
+    v, ve, w = cands_MBTD.astype(dt), extra_BTD.astype(dt), w_D.astype(dt)
+    lg, r = _mix_logits(v, w, eps)
+    le, re = _mix_logits(ve, w, eps)
+    lg_masked = jnp.where(valid_M[:, None, None], lg, -jnp.inf)
+    le_masked = jnp.where(extra_valid, le, -jnp.inf)
+    top = jnp.maximum(jnp.max(lg_masked, axis=0), le_masked)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e, ee = jnp.exp(lg_masked - top), jnp.exp(le_masked - top)
+    z = jnp.sum(e, axis=0) + ee
+    z = jnp.where(z > 0, z, 1.0)  # no valid candidate: a zero mix instead of 0 / 0
+    p, pe = e / z, ee / z
+    out = jnp.einsum("mbt,mbtd->btd", p, v) + pe[..., None] * ve
+    return out.astype(cands_MBTD.dtype), (p, pe, lg, le, r, re)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def depth_mix(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
+              w_D: jax.Array, eps: float) -> jax.Array:
+    """Softmax mix over depth of the valid candidates [M, B, T, D] and one further candidate [B, T, D]
+    (validity: bool [M] and a bool scalar), scored by logit = (v . w) / rms(v): [B, T, D] in the
+    candidates' dtype, computed in fp32 (float64 for float64 inputs).
+
+    Its backward reads the candidates as given and keeps only the per-candidate probabilities,
+    logits and inverse RMS ([M, B, T] each) from the forward: autodiff kept fp32 copies of every
+    candidate and their products, 12 bytes per candidate element, and passed over them several
+    times. With g_m = dout . v_m and gbar = sum_m p_m g_m:
+        dlogit_m = p_m (g_m - gbar)
+        dv_m     = p_m dout + dlogit_m (r_m w - logit_m r_m^2 v_m / D)
+        dw       = sum_{m, b, t} dlogit_m r_m v_m
+    Invalid candidates get p = 0 and so no gradient. Reverse mode only (a custom VJP).
+    """
+    return _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)[0]
+
+
+def _depth_mix_fwd(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
+    out, stats = _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)
+    return out, (cands_MBTD, extra_BTD, w_D) + stats
+
+
+def _depth_mix_bwd(eps, res, dout_BTD):
+    del eps
+    cands, extra, w_D, p, pe, lg, le, r, re = res
+    dt = p.dtype
+    v, ve, w, d = cands.astype(dt), extra.astype(dt), w_D.astype(dt), dout_BTD.astype(dt)
+    D = v.shape[-1]
+    g, ge = jnp.einsum("btd,mbtd->mbt", d, v), jnp.einsum("btd,btd->bt", d, ve)
+    gbar = jnp.sum(p * g, axis=0) + pe * ge
+    dl, dle = p * (g - gbar), pe * (ge - gbar)
+    dv = p[..., None] * d + dl[..., None] * (r[..., None] * w - (lg * r * r / D)[..., None] * v)
+    dve = pe[..., None] * d + dle[..., None] * (re[..., None] * w - (le * re * re / D)[..., None] * ve)
+    dw = jnp.einsum("mbt,mbtd->d", dl * r, v) + jnp.einsum("bt,btd->d", dle * re, ve)
+    return dv.astype(cands.dtype), None, dve.astype(extra.dtype), None, dw.astype(w_D.dtype)
+
+
+depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
+
+# Who computes the depth mixes (``model.attn_res_impl``): 'xla' the jnp `depth_mix` above, 'pallas'
+# one Pallas kernel forward and one backward (`pallas_kernels.attn_res`; interpreted off a GPU).
+MIX_BACKENDS = Table("model.attn_res_impl", default="xla", auto={"gpu": "pallas"})
+MIX_BACKENDS.register("xla")(depth_mix)
+
+
+@MIX_BACKENDS.register("pallas")
+def depth_mix_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
+    """`depth_mix` through the Pallas kernels where the width suits their tiles (a power of two >= 16,
+    `kernel_width_ok`); other widths (the ladder's d384, d448) run `depth_mix` itself."""
+    if not kernel_width_ok(cands_MBTD.shape[-1]):
+        return depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)
+    return depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)
+
+
+class AttnResMix(nnx.Module):
+    """One depth mix: pseudo-query [D] (init 0) and key-norm gain [D] (init 1).
+
+    ``impl``: a `MIX_BACKENDS` name ('auto': Pallas kernels on a GPU, `depth_mix` elsewhere). With a
+    ``sharder`` over several devices the kernels run per device under `jax.shard_map`, tokens split
+    as the batch and sequence rules say and D whole (each token's statistics need all of it).
+    """
+
+    def __init__(self, d_model: int, eps: float, *, rngs: nnx.Rngs, impl: str = "auto",
+                 sharder: Sharder | None = None):
+        self.eps, self.sharder = eps, sharder
+        self.impl = MIX_BACKENDS.resolve(impl)
         self.query = param(rngs, zeros, (d_model,), ("embed",))
         self.norm = param(rngs, ones, (d_model,), ("embed",))
 
     def __call__(self, cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array | None = None,
                  extra_valid=None) -> jax.Array:
-        """Mix of the valid candidates -> [B, T, D].
+        """Mix of the valid candidates -> [B, T, D] (`depth_mix`).
 
         cands: [M, B, T, D]; valid: [M] bool; extra: an optional further candidate [B, T, D] with its
         validity (a bool scalar). Passing the running partial sum as ``extra`` instead of
@@ -46,23 +143,18 @@ class AttnResMix(nnx.Module):
         """
         with jax.named_scope("attn_res"):
             w = (self.query[...] * self.norm[...]).astype(jnp.float32)
-
-            def logits(v):  # [..., B, T, D] fp32 -> [..., B, T]
-                rstd = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + self.eps)
-                return jnp.einsum("...btd,d->...bt", v, w) * rstd
-
-            v = cands_MBTD.astype(jnp.float32)
-            lg = jnp.where(valid_M[:, None, None], logits(v), -jnp.inf)  # [M, B, T]
             if extra_BTD is None:
-                p = jax.nn.softmax(lg, axis=0)
-                return jnp.einsum("mbt,mbtd->btd", p, v).astype(cands_MBTD.dtype)
-            ve = extra_BTD.astype(jnp.float32)
-            le = jnp.where(extra_valid, logits(ve), -jnp.inf)  # [B, T]
-            top = jnp.maximum(jnp.max(lg, axis=0), le)
-            top = jnp.where(jnp.isfinite(top), top, 0.0)
-            e, ee = jnp.exp(lg - top), jnp.exp(le - top)
-            out = jnp.einsum("mbt,mbtd->btd", e, v) + ee[..., None] * ve
-            return (out / (jnp.sum(e, axis=0) + ee)[..., None]).astype(cands_MBTD.dtype)
+                extra_BTD, extra_valid = jnp.zeros_like(cands_MBTD[0]), False
+            mix = MIX_BACKENDS.get(self.impl)
+            args = (cands_MBTD, jnp.asarray(valid_M), extra_BTD, jnp.asarray(extra_valid, bool), w)
+            sh = self.sharder
+            if self.impl == "pallas" and sh is not None and sh.mesh.size > 1:
+                tok = sh.spec(("batch", "seq", None), extra_BTD.shape)
+                cand = PartitionSpec(None, *tok)
+                rep = PartitionSpec()
+                return jax.shard_map(lambda *a: mix(*a, self.eps), mesh=sh.mesh,
+                                     in_specs=(cand, rep, tok, rep, rep), out_specs=tok, check_vma=False)(*args)
+            return mix(*args, self.eps)
 
 
 def n_bank_slots(n_layers: int, block_size: int) -> int:
@@ -92,14 +184,16 @@ def attn_res_flops(m) -> float:
     return 6 * m.d_model * attn_res_candidates(m.n_layers, m.attn_res_block_size)
 
 
-def attn_res_bytes(m, tokens: int) -> dict:
+def attn_res_bytes(m, tokens: int, a: int) -> dict:
     """Bytes one layer's two depth mixes keep for the backward, per device: {'attn_res': 2
-    ATTN_RES M N D} over M = bank slots + 1 candidates of N = ``tokens`` local tokens and D =
-    d_model; {} with plain residuals."""
+    ATTN_RES M N + N D a}: the per-candidate statistics of M = bank slots + 1 candidates of
+    N = ``tokens`` local tokens (`ATTN_RES_BYTES`), and the partial sum after the attention
+    sublayer, a new [N, D] candidate in the a-byte compute dtype (the bank and the partial before it
+    are the layer's input, `stream_carry_bytes`); {} with plain residuals."""
     if m.residual != "attn_res":
         return {}
     M = n_bank_slots(m.n_layers, m.attn_res_block_size) + 1
-    return {"attn_res": 2 * ATTN_RES_BYTES * M * tokens * m.d_model}
+    return {"attn_res": 2 * ATTN_RES_BYTES * M * tokens + tokens * m.d_model * a}
 
 
 def stream_carry_bytes(m, tokens: int, a: int) -> int:

@@ -36,6 +36,7 @@ def default_config() -> ConfigDict:
     m.situ_beta_up = 25.0
     m.residual = "attn_res"  # 'attn_res' (Block Attention Residuals) or 'plain'
     m.attn_res_block_size = 4
+    m.attn_res_impl = "auto"  # k3.attn_res.MIX_BACKENDS: 'xla' (jnp) or 'pallas' (kernels); 'auto': pallas on a GPU
     m.norm_eps = 1e-5
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
@@ -169,6 +170,7 @@ _TABLES = {
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
     "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
+    "model.attn_res_impl": ("k3.attn_res", "MIX_BACKENDS"),
     "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
 }
 

@@ -101,8 +101,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.ffn = MoE(cfg, rngs=rngs, sharder=sharder)
         if cfg.residual == "attn_res":
-            self.attn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs)
-            self.ffn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs)
+            self.attn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs, impl=cfg.attn_res_impl, sharder=sharder)
+            self.ffn_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs, impl=cfg.attn_res_impl, sharder=sharder)
         else:
             self.attn_mix = self.ffn_mix = None
 
@@ -204,7 +204,8 @@ class Model(nnx.Module):
             self.body = None
         self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit,
                                                   sharder=sharder) for i in tail])
-        self.out_mix = AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs) if cfg.residual == "attn_res" else None
+        self.out_mix = (AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs, impl=cfg.attn_res_impl, sharder=sharder)
+                        if cfg.residual == "attn_res" else None)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 

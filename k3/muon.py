@@ -77,17 +77,25 @@ def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, steps: int = 5, coef
     acc = jnp.promote_types(lp, jnp.float32)  # accumulation, and the dtype of M
     eye = jnp.eye(n, dtype=acc)
 
+    def mm(eq, u, v, out=lp):
+        # A dot whose output is its inputs' dtype is left plain: cuBLAS still accumulates in fp32,
+        # and XLA keeps it a library GEMM where a fused fp32-to-bf16 convert made it a slower Triton
+        # GEMM on the H200 (BENCHMARKS.md).
+        if out == lp:
+            return jnp.einsum(eq, u, v)
+        return jnp.einsum(eq, u, v, preferred_element_type=out)
+
     def poly(A):
         # A @ A comes out in x's dtype like optax's; the sum that forms M is in fp32.
         A_lp = A.astype(lp)
-        A2 = jnp.einsum("bij,bjk->bik", A_lp, A_lp, preferred_element_type=acc).astype(lp)
+        A2 = mm("bij,bjk->bik", A_lp, A_lp)
         return a * eye + b * A.astype(acc) + c * A2.astype(acc)
 
     def step(y, M):
-        return jnp.einsum(apply_eq, M.astype(lp), y, preferred_element_type=acc).astype(lp)
+        return mm(apply_eq, M.astype(lp), y)
 
     def gram(y, dtype=lp):
-        return jnp.einsum(gram_eq, y, y, preferred_element_type=acc).astype(dtype)
+        return mm(gram_eq, y, y, dtype)
 
     if steps < 1:
         raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")

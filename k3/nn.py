@@ -1,5 +1,5 @@
 """Small building blocks shared by the layers: parameters with logical axes, dtypes, RMSNorm (and
-the bytes it keeps for its backward, `NORM_BYTES`, which the planner's formulas share).
+the bytes it keeps for its backward, `norm_bytes`, which the planner's formulas share).
 
 Every parameter carries logical axis names in its ``out_sharding`` metadata (``embed``, ``heads``,
 ``experts`` ...). Model code names only these; `k3.sharding` maps them onto a device mesh.
@@ -7,6 +7,7 @@ Every parameter carries logical axis names in its ``out_sharding`` metadata (``e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -46,16 +47,48 @@ def zeros(key, shape, dtype=jnp.float32):
     return jnp.zeros(shape, dtype)
 
 
-# Bytes an RMSNorm keeps for its backward per input element (its fp32 copy and the normalised
-# product), measured as the `k3.plan` docstring describes.
-NORM_BYTES = 8.0
+def norm_bytes(a: int) -> float:
+    """Bytes an RMSNorm keeps for its backward per input element at ``a`` compute-dtype bytes: its
+    input (`rms_norm`'s VJP recomputes the rest; the inverse RMS per row is negligible)."""
+    return float(a)
 
 
+def _norm_dtype(x):
+    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last axis; variance in fp32, result in x.dtype."""
-    x32 = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(x.dtype)
+    """x * rsqrt(mean(x^2) + eps) * weight over the last axis: x [..., D], weight [D] -> [..., D] in
+    x.dtype, computed in fp32 (float64 for float64 x).
+
+    Its backward keeps x as given and the inverse RMS per row, and recomputes the normalised x:
+    autodiff kept three fp32 copies of x's size (x, x r, x r w) for every norm.
+    With xh = x r and u = dy w:  dx = r (u - xh mean(u xh)),  dweight = sum over rows of dy xh.
+    Reverse mode only (a custom VJP).
+    """
+    return _rms_norm_fwd(x, weight, eps)[0]
+
+
+def _rms_norm_fwd(x, weight, eps):
+    dt = _norm_dtype(x)
+    x32 = x.astype(dt)
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (x32 * r * weight.astype(dt)).astype(x.dtype), (x, weight, r)
+
+
+def _rms_norm_bwd(eps, res, dy):
+    del eps
+    x, weight, r = res
+    xh = x.astype(r.dtype) * r
+    dy = dy.astype(r.dtype)
+    u = dy * weight.astype(r.dtype)
+    dx = r * (u - xh * jnp.mean(u * xh, axis=-1, keepdims=True))
+    dw = jnp.sum((dy * xh).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.reshape(weight.shape).astype(weight.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):

@@ -77,7 +77,7 @@ from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, 
                          moe_tensor_bytes, router_bias_bytes)
 from k3.kda.ops import KDA_CORES
 from k3.moe.layer import EXPERT_BACKENDS
-from k3.nn import NORM_BYTES
+from k3.nn import norm_bytes
 from k3.params import ROUTED, abstract_model, count_params, flops_per_token
 from k3.sharding import DEFAULT_RULES, MESH_AXES, Sharder, mesh_shape, parse_rules, spec_axes
 
@@ -283,8 +283,9 @@ def muon_work(infos: list[ParamInfo], shards: list[int], mu_bytes: int) -> dict:
     live while it runs: X in the momentum dtype (``mu_bytes``) plus per matrix three m x m in that
     dtype (A, A^2, M) and the first Gram matrix in fp32. Counted as if every matrix were in flight at
     once (XLA may schedule them so), meant as an upper bound; measured against it: for K2 and K3 1024:12
-    with bf16 moments it gives 12.7 and 8.2 GiB where XLA's CPU memory analysis of the compiled
-    update (`experiments.bench_optimizer`'s temp GiB) reports 11.3 and 6.9. Each parameter's share
+    with bf16 moments it gives 12.7 and 8.2 GiB where the H200 compile of the update
+    (`experiments.bench_optimizer`'s temp GiB) keeps 3.5 and 0.4 GiB. XLA's CPU compile keeps 15.5
+    and 9.4 GiB: it runs each bf16 dot on fp32 copies of its operands. Each parameter's share
     is divided by its shard count: exact when the matrices are split over the batch axes (experts
     over 'expert'), XLA's partitioning of the matmuls otherwise (whose collectives are not counted).
     Returns {'flops', 'transient', 'largest'} per device; 'largest' is the largest single
@@ -540,7 +541,8 @@ def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: 
 
     N = local tokens per micro-batch, D = d_model, a = compute-dtype bytes; head counts and FFN
     widths are per device (divided by their tensor-parallel shards).
-      stream   2 NORM N D + 2 N D a    the two pre-norms (`k3.nn.NORM_BYTES`) and the sublayer outputs
+      stream   2 NORM N D + 2 N D a    the two pre-norms' inputs (NORM = `k3.nn.norm_bytes`) and the
+                                      sublayer outputs
       attn_res (Block AttnRes) the two depth mixes, `k3.attn_res.attn_res_bytes`
       mixer    ``mixer``'s entry of `MIXER_RESIDUALS`: `k3.kda.cost.kda_residual_bytes`,
                `k3.mla.cost.mla_residual_bytes`
@@ -551,8 +553,8 @@ def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: 
     Returns {'total': bytes, 'transient': bytes, term: bytes ...}.
     """
     N, D = lay.tokens, m.d_model
-    out = {"stream": 2 * NORM_BYTES * N * D + 2 * N * D * a}
-    out.update(attn_res_bytes(m, N))
+    out = {"stream": 2 * norm_bytes(a) * N * D + 2 * N * D * a}
+    out.update(attn_res_bytes(m, N, a))
     transient = 0.0
     for table, kind in ((MIXER_RESIDUALS, mixer), (FFN_RESIDUALS, ffn)):
         terms, peak = table[kind](m, lay, a, qk_clip)
@@ -889,7 +891,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     if ns["transient"] > act["peak"]:
         notes.append(f"the optimizer update's transient ({ns['transient'] / GB:.1f} GB) decides the total, not the "
                      f"activations ({act['peak'] / GB:.1f} GB): it counts every matrix's Newton-Schulz in flight at "
-                     "once (XLA's CPU compile of the update keeps 0.6-0.9 of that); the largest single parameter's "
+                     "once (the H200 compile of K2 1024:12's update keeps 0.27 of that); the largest single parameter's "
                      f"share is {ns['largest'] / GB:.1f} GB")
     big_rep = [(b, n) for b, n in pb["replicated"] if b >= 2**20]
     return {

@@ -20,6 +20,7 @@ import pytest
 # Eight CPU devices for the mesh tests (data, fsdp, tensor, expert, context and mixed meshes).
 # Single-device tests run on device 0 as before.
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("K3_TEST_CPU_DEVICES", "8")))
+import jax.numpy as jnp
 from flax import nnx
 
 from k3.config import default_config
@@ -67,3 +68,13 @@ def forward(model, tokens, segment_ids=None):
     """Jitted model forward; models of the same structure share one compilation."""
     graphdef, state = nnx.split(model)
     return _forward(graphdef, state, tokens, segment_ids)
+
+
+def depth_mix_plain(cands, valid, extra, extra_valid, w, eps):
+    """Block AttnRes's depth mix as plain autodiff-able jnp over the concatenated candidates: the
+    reference for `k3.attn_res.depth_mix` and its kernels. cands [M, B, T, D], extra [B, T, D]."""
+    v = jnp.concatenate([cands, extra[None]], axis=0)
+    ok = jnp.concatenate([valid, jnp.asarray(extra_valid)[None]])
+    lg = jnp.einsum("mbtd,d->mbt", v, w) / jnp.sqrt(jnp.mean(v * v, axis=-1) + eps)
+    p = jax.nn.softmax(jnp.where(ok[:, None, None], lg, -jnp.inf), axis=0)
+    return jnp.einsum("mbt,mbtd->btd", p, v)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_cfg
+from conftest import depth_mix_plain, tiny_model_cfg
 from k3 import attn_res
 from k3.ffn import glu_activation
 from k3.kda.layer import KDA, causal_conv
@@ -251,6 +251,58 @@ def test_attn_res_extra_candidate_equals_concatenation(extra_valid):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("valid,extra_valid,scale", [
+    ((True, False, True, True), True, 3.0),    # an invalid slot inside the bank
+    ((True, True, False, False), False, 0.3),  # the extra candidate off
+    ((True, False, False, False), False, 30.0),  # one valid candidate: the mix is the identity
+    ((True, True, True, True), True, 30.0),    # peaked softmax: logits far apart
+])
+def test_depth_mix_values_and_gradients_match_autodiff_float64(x64, valid, extra_valid, scale):
+    """`depth_mix`'s own VJP against autodiff of the plain formula, in float64, every input's
+    gradient (candidates, extra candidate, the score vector), at an awkward size (B 2, T 5, D 7)."""
+    keys = jax.random.split(jax.random.key(sum(valid) + 10 * int(extra_valid)), 5)
+    cands = jax.random.normal(keys[0], (4, 2, 5, 7), jnp.float64) * jnp.array([1.0, 4.0, 0.1, 2.0])[:, None, None, None]
+    extra = jax.random.normal(keys[1], (2, 5, 7), jnp.float64)
+    w = scale * jax.random.normal(keys[2], (7,), jnp.float64)
+    dout = jax.random.normal(keys[3], (2, 5, 7), jnp.float64)
+    valid, ev = jnp.array(valid), jnp.asarray(extra_valid)
+    got_out, got_vjp = jax.vjp(lambda c, e, w: attn_res.depth_mix(c, valid, e, ev, w, 1e-5), cands, extra, w)
+    want_out, want_vjp = jax.vjp(lambda c, e, w: depth_mix_plain(c, valid, e, ev, w, 1e-5), cands, extra, w)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("cands", "extra", "w"), got_vjp(dout), want_vjp(dout)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
+    if sum(valid) == 1 and not extra_valid:
+        np.testing.assert_allclose(got_out, cands[0], rtol=1e-12)
+
+
+def test_depth_mix_bf16_keeps_dtypes_and_follows_float32():
+    cands, extra = _rand(0, (3, 2, 9, 16), 2.0), _rand(1, (2, 9, 16))
+    w, dout = _rand(2, (16,), 2.0), _rand(3, (2, 9, 16))
+    valid, ev = jnp.array([True, True, False]), jnp.asarray(True)
+    cb, eb = cands.astype(jnp.bfloat16), extra.astype(jnp.bfloat16)
+    out, vjp = jax.vjp(lambda c, e, w: attn_res.depth_mix(c, valid, e, ev, w, 1e-5), cb, eb, w)
+    dc, de, dw = vjp(dout.astype(jnp.bfloat16))
+    assert out.dtype == dc.dtype == de.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    ref_out, ref_vjp = jax.vjp(lambda c, e, w: depth_mix_plain(c, valid, e, ev, w, 1e-5),
+                               cb.astype(jnp.float32), eb.astype(jnp.float32), w)
+    rc, re, rw = ref_vjp(dout.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(dc, np.float32), rc, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(de, np.float32), re, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(dw, rw, rtol=1e-4, atol=1e-4)
+
+
+def test_depth_mix_keeps_no_float32_copy_of_the_candidates():
+    """What the backward keeps: the bf16 candidates themselves and [M, B, T]-sized statistics."""
+    from jax._src.ad_checkpoint import saved_residuals
+    cands, extra = _rand(0, (3, 2, 64, 32)).astype(jnp.bfloat16), _rand(1, (2, 64, 32)).astype(jnp.bfloat16)
+    res = saved_residuals(lambda c, e, w: attn_res.depth_mix(c, jnp.array([True, True, False]), e,
+                                                             jnp.asarray(True), w, 1e-5),
+                          cands, extra, _rand(2, (32,)))
+    big = [aval for aval, _ in res if aval.size >= 2 * 64 * 32]
+    assert all(aval.dtype == jnp.bfloat16 for aval in big), big
+
+
 def test_attn_res_stream_follows_block_schedule():
     """The traced stream equals a list-based walk of the spec's schedule (uniform mixes)."""
     L, bs, D = 7, 3, 4
@@ -277,3 +329,38 @@ def test_attn_res_stream_follows_block_schedule():
     np.testing.assert_allclose(attn_res.read(stream, mix), jnp.mean(jnp.stack(bank + [partial]), 0),
                                rtol=1e-5, atol=1e-6)
     assert int(stream["count"]) == len(bank) == 3
+
+
+# ---------------------------------------------------------------- RMSNorm
+def _rms_plain(x, w, eps):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 7), (2, 5, 3, 9)])
+def test_rms_norm_values_and_gradients_match_autodiff_float64(x64, shape):
+    """`k3.nn.rms_norm`'s own VJP against autodiff of the formula in float64: one element, odd widths,
+    a multi-axis input with a per-last-axis gain, rows of very different scales and an all-zero row."""
+    from k3.nn import rms_norm
+    keys = jax.random.split(jax.random.key(len(shape)), 3)
+    x = jax.random.normal(keys[0], shape, jnp.float64) * jnp.exp(3.0 * jax.random.normal(keys[1], shape[:-1] + (1,)))
+    x = x.at[(0,) * (len(shape) - 1)].set(0.0)
+    w = 1.0 + jax.random.normal(keys[2], shape[-1:], jnp.float64)
+    dy = jax.random.normal(jax.random.key(7), shape, jnp.float64)
+    got, got_vjp = jax.vjp(lambda x, w: rms_norm(x, w, 1e-6), x, w)
+    want, want_vjp = jax.vjp(lambda x, w: _rms_plain(x, w, 1e-6), x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("x", "weight"), got_vjp(dy), want_vjp(dy)):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9, err_msg=name)
+
+
+def test_rms_norm_bf16_gradients_keep_dtypes_and_follow_float32():
+    from k3.nn import rms_norm
+    x, w, dy = _rand(0, (4, 6, 48), 3.0), 1.0 + _rand(1, (48,), 0.1), _rand(2, (4, 6, 48))
+    xb = x.astype(jnp.bfloat16)
+    out, vjp = jax.vjp(lambda x, w: rms_norm(x, w, 1e-6), xb, w)
+    dx, dw = vjp(dy.astype(jnp.bfloat16))
+    assert out.dtype == dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    _, ref_vjp = jax.vjp(lambda x, w: _rms_plain(x, w, 1e-6), xb.astype(jnp.float32), w)
+    rx, rw = ref_vjp(dy.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(dx, np.float32), rx, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(dw, rw, rtol=1e-3, atol=1e-3)

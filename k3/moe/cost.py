@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from k3.ffn import glu_bytes
-from k3.nn import NORM_BYTES
+from k3.nn import norm_bytes
 
 
 def moe_dispatch(moe_cfg) -> str:
@@ -62,7 +62,7 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     moe = N * D * f + 2 * N * e.n_experts * f + R * (W * a + Fe * glu) + N * e.top_k * W * (a + f)
     moe += N * D * a
     if e.latent_dim > 0:
-        moe += N * W * a + N * W * (NORM_BYTES + a)
+        moe += N * W * a + N * W * (norm_bytes(a) + a)
     if e.shared_dim > 0:
         moe += N * (e.shared_dim // lay.shared_div) * glu
     transient = 0

@@ -1,0 +1,187 @@
+"""Block AttnRes depth mix as two Pallas kernels: one pass over the candidates forward, one backward.
+
+The math is `k3.attn_res.depth_mix`'s (that function is the reference and the portable backend):
+per token, logit_m = (v_m . w) r_m with r_m = rsqrt(mean(v_m^2) + eps), p = softmax over the valid
+candidates, out = sum_m p_m v_m; and backward, with g_m = dout . v_m and gbar = sum_m p_m g_m,
+    dlogit_m = p_m (g_m - gbar),  dv_m = p_m dout + dlogit_m (r_m w - logit_m r_m^2 v_m / D),
+    dw = sum over tokens of dlogit_m r_m v_m.
+XLA splits this into several fusions that each re-read the [M, N, D] candidates, some at 20% of HBM
+bandwidth (a row reduction and the broadcast that consumes it in one fusion). Here one program owns
+``block`` whole tokens of every candidate: the forward reads each candidate twice (the second time
+from L2) and writes the mix plus per-token statistics p, logit, r ([M + 1, N] fp32 each); the
+backward reads candidates and dout, writes the candidates' gradients and one partial dw row per
+program, summed by XLA.
+
+Kernels (Pallas Triton; grid (N / block,), N = B T tokens, fp32 math):
+    _fwd  candidates [M, N, D], extra [N, D] -> out [N, D], p / logit / r [M + 1, N]
+    _bwd  candidates, extra, dout, statistics -> d candidates, d extra, dw partials [N / block, D]
+
+Contract: D (the model width) is a power of two >= 16, as Triton's tiles need (`k3.attn_res`'s
+'pallas' backend sends other widths to the reference). N is padded with zero tokens to a multiple of the block.
+The same source runs interpreted on a CPU (the tests) and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import default_interpret, triton_params
+
+__all__ = ["depth_mix_pallas", "kernel_width_ok"]
+
+
+def kernel_width_ok(d_model: int) -> bool:
+    """Whether the kernels take rows of this width: a power of two >= 16 (Triton's tile sides)."""
+    return d_model >= 16 and d_model & (d_model - 1) == 0
+
+
+def _compute_dtype(x):
+    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def _candidate(cands_ref, extra_ref, m, M, dt):
+    return (cands_ref[m] if m < M else extra_ref[...]).astype(dt)
+
+
+def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, r_ref, *, M, D, eps):
+    dt = p_ref.dtype
+    w = w_ref[...].astype(dt)  # [1, D]
+    logits, rs, masked = [], [], []
+    for m in range(M + 1):
+        v = _candidate(cands_ref, extra_ref, m, M, dt)
+        r = lax.rsqrt(jnp.sum(v * v, axis=1) / D + eps)
+        lg = jnp.sum(v * w, axis=1) * r
+        ok = jnp.max(valid_ref[m, :]) > 0.5  # the flag is replicated along a 16-wide row
+        logits.append(lg)
+        rs.append(r)
+        masked.append(jnp.where(ok, lg, -jnp.inf))
+    top = functools.reduce(jnp.maximum, masked)
+    top = jnp.where(top > -jnp.inf, top, 0.0)
+    e = [jnp.exp(lg - top) for lg in masked]
+    z = functools.reduce(jnp.add, e)
+    z = jnp.where(z > 0, z, 1.0)  # no valid candidate: a zero mix instead of 0 / 0
+    out = None
+    for m in range(M + 1):
+        p = e[m] / z
+        term = p[:, None] * _candidate(cands_ref, extra_ref, m, M, dt)
+        out = term if out is None else out + term
+        p_ref[m, :] = p
+        lg_ref[m, :] = logits[m]
+        r_ref[m, :] = rs[m]
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, p_ref, lg_ref, r_ref, dc_ref, de_ref, dw_ref, *, M, D):
+    dt = p_ref.dtype
+    w = w_ref[...].astype(dt)
+    d = dout_ref[...].astype(dt)
+    p = [p_ref[m, :] for m in range(M + 1)]
+    g = [jnp.sum(d * _candidate(cands_ref, extra_ref, m, M, dt), axis=1) for m in range(M + 1)]
+    gbar = functools.reduce(jnp.add, [pm * gm for pm, gm in zip(p, g)])
+    dw = jnp.zeros_like(w)
+    for m in range(M + 1):
+        v = _candidate(cands_ref, extra_ref, m, M, dt)
+        r, lg = r_ref[m, :], lg_ref[m, :]
+        dl = p[m] * (g[m] - gbar)
+        dv = p[m][:, None] * d + dl[:, None] * (r[:, None] * w - (lg * r * r / D)[:, None] * v)
+        if m < M:
+            dc_ref[m] = dv.astype(dc_ref.dtype)
+        else:
+            de_ref[...] = dv.astype(de_ref.dtype)
+        dw = dw + jnp.sum((dl * r)[:, None] * v, axis=0, keepdims=True)
+    dw_ref[...] = dw
+
+
+def _specs(M, BN, D):
+    """(candidates [M, N, D], a token block [N, D], per-candidate token stats [M + 1, N], whole array)."""
+    return (pl.BlockSpec((M, BN, D), lambda i: (0, i, 0)), pl.BlockSpec((BN, D), lambda i: (i, 0)),
+            pl.BlockSpec((M + 1, BN), lambda i: (0, i)), lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape)))
+
+
+def _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
+    M, N, D = cands_MND.shape
+    dt = _compute_dtype(cands_MND)
+    cand, tok, stat, whole = _specs(M, block, D)
+    valid = jnp.broadcast_to(valid_M1.astype(dt)[:, None], (M + 1, 16))
+    w = w_D.astype(dt)[None, :]
+    stat_shape = jax.ShapeDtypeStruct((M + 1, N), dt)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, M=M, D=D, eps=eps), grid=(N // block,),
+        in_specs=[cand, tok, whole((M + 1, 16)), whole((1, D))],
+        out_specs=[tok, stat, stat, stat],
+        out_shape=[jax.ShapeDtypeStruct((N, D), cands_MND.dtype), stat_shape, stat_shape, stat_shape],
+        interpret=interpret, name="attn_res_mix_fwd",
+        compiler_params=triton_params(interpret, num_warps, 1),
+    )(cands_MND, extra_ND, valid, w)
+
+
+def _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, block, interpret, num_warps):
+    M, N, D = cands_MND.shape
+    cand, tok, stat, whole = _specs(M, block, D)
+    dc, de, dw = pl.pallas_call(
+        functools.partial(_bwd_kernel, M=M, D=D), grid=(N // block,),
+        in_specs=[cand, tok, tok, whole((1, D)), stat, stat, stat],
+        out_specs=[cand, tok, pl.BlockSpec((1, D), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct(cands_MND.shape, cands_MND.dtype),
+                   jax.ShapeDtypeStruct(extra_ND.shape, extra_ND.dtype),
+                   jax.ShapeDtypeStruct((N // block, D), p.dtype)],
+        interpret=interpret, name="attn_res_mix_bwd",
+        compiler_params=triton_params(interpret, num_warps, 1),
+    )(cands_MND, extra_ND, dout_ND, w_D.astype(p.dtype)[None, :], p, lg, r)
+    return dc, de, jnp.sum(dw, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _mix(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
+    return _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps)[0]
+
+
+def _mix_fwd(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
+    out, p, lg, r = _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps)
+    return out, (cands_MND, extra_ND, w_D, p, lg, r)
+
+
+def _mix_bwd(eps, block, interpret, num_warps, res, dout_ND):
+    del eps
+    cands_MND, extra_ND, w_D, p, lg, r = res
+    dc, de, dw = _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, block, interpret, num_warps)
+    return dc, de, None, dw.astype(w_D.dtype)
+
+
+_mix.defvjp(_mix_fwd, _mix_bwd)
+
+
+def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
+                     w_D: jax.Array, eps: float, *, block: int = 2, interpret: bool | None = None,
+                     num_warps: int = 1) -> jax.Array:
+    """`k3.attn_res.depth_mix` through the Pallas kernels: [B, T, D] in the candidates' dtype.
+
+    cands: [M, B, T, D]; valid: [M] bool; extra: [B, T, D] with its validity (bool scalar); w: [D]
+    fp32 (pseudo-query times norm gain). Differentiable in cands, extra and w. ``block`` tokens per
+    program (a power of two) and ``num_warps``: 2 and 1 ran fastest of 13 settings on the H200 at
+    K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`); ``interpret=None``: compiled on a GPU, interpreted elsewhere. D must be
+    a power of two >= 16.
+    """
+    M, B, T, D = cands_MBTD.shape
+    if extra_BTD.shape != (B, T, D) or valid_M.shape != (M,):
+        raise ValueError(f"depth_mix_pallas: candidates {cands_MBTD.shape} need extra [B, T, D] = {(B, T, D)} "
+                         f"and valid [M] = {(M,)}; got {extra_BTD.shape} and {valid_M.shape}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"depth_mix_pallas: block must be a power of two; got {block}")
+    if not kernel_width_ok(D):
+        raise ValueError(f"depth_mix_pallas: the width D must be a power of two >= 16; got {D}")
+    interpret = default_interpret() if interpret is None else bool(interpret)
+    N = B * T
+    Np = -(-N // block) * block
+    cands, extra = cands_MBTD.reshape(M, N, D), extra_BTD.reshape(N, D)
+    if Np != N:  # zero tokens: finite statistics, zero gradients, sliced away
+        cands = jnp.pad(cands, ((0, 0), (0, Np - N), (0, 0)))
+        extra = jnp.pad(extra, ((0, Np - N), (0, 0)))
+    valid = jnp.concatenate([jnp.asarray(valid_M, bool), jnp.asarray(extra_valid, bool)[None]])
+    out = _mix(cands, extra, valid, w_D, float(eps), block, interpret, num_warps)
+    return out[:N].reshape(B, T, D)
