@@ -7,10 +7,12 @@ candidates, out = sum_m p_m v_m; and backward, with g_m = dout . v_m and gbar = 
     dw = sum over tokens of dlogit_m r_m v_m.
 XLA splits this into several fusions that each re-read the [M, N, D] candidates, some at 20% of HBM
 bandwidth (a row reduction and the broadcast that consumes it in one fusion). Here one program owns
-``block`` whole tokens of every candidate: the forward reads each candidate twice (the second time
-from L2) and writes the mix plus per-token statistics p, logit, r ([M + 1, N] fp32 each); the
-backward reads candidates and dout, writes the candidates' gradients and one partial dw row per
-program, summed by XLA.
+``block`` whole tokens of every candidate: the forward loads each candidate block twice (statistics,
+then the mix; the repeat should come from cache, which the profile has not checked) and writes the
+mix plus per-token statistics p, logit, r ([M + 1, N] fp32 each); the backward reads candidates
+and dout, and writes the candidates' gradients and one partial dw row per program, summed by XLA.
+On the H200 at K3 1024:12's shape the pair runs at 42% of HBM bandwidth, 2.2x the jnp mix
+(BENCHMARKS.md).
 
 Kernels (Pallas Triton; grid (N / block,), N = B T tokens, fp32 math):
     _fwd  candidates [M, N, D], extra [N, D] -> out [N, D], p / logit / r [M + 1, N]
@@ -164,8 +166,8 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
     cands: [M, B, T, D]; valid: [M] bool; extra: [B, T, D] with its validity (bool scalar); w: [D]
     fp32 (pseudo-query times norm gain). Differentiable in cands, extra and w. ``block`` tokens per
     program (a power of two) and ``num_warps``: 2 and 1 ran fastest of 13 settings on the H200 at
-    K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`); ``interpret=None``: compiled on a GPU, interpreted elsewhere. D must be
-    a power of two >= 16.
+    K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`). ``interpret=None``:
+    compiled on a GPU, interpreted elsewhere. D must be a power of two >= 16.
     """
     M, B, T, D = cands_MBTD.shape
     if extra_BTD.shape != (B, T, D) or valid_M.shape != (M,):
