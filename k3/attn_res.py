@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from k3.backends import Table
-from k3.nn import ones, param, zeros
+from k3.nn import compute_dtype, ones, param, zeros
 from k3.sharding import Sharder
 from pallas_kernels.attn_res import depth_mix_pallas, kernel_width_ok
 
@@ -41,12 +41,8 @@ def _mix_logits(v, w, eps):
     return jnp.einsum("...btd,d->...bt", v, w) * r, r
 
 
-def _compute_dtype(*xs):
-    return jnp.float64 if any(x.dtype == jnp.float64 for x in xs) else jnp.float32
-
-
 def _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
-    dt = _compute_dtype(cands_MBTD, extra_BTD)
+    dt = compute_dtype(cands_MBTD, extra_BTD)
     v, ve, w = cands_MBTD.astype(dt), extra_BTD.astype(dt), w_D.astype(dt)
     lg, r = _mix_logits(v, w, eps)
     le, re = _mix_logits(ve, w, eps)

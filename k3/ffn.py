@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3.nn import cast, normal, param
+from k3.nn import cast, compute_dtype, normal, param
 
 
 def _glu_parts(g, u, kind, beta_gate, beta_up):
@@ -46,7 +46,7 @@ def glu_activation(gate: jax.Array, up: jax.Array, kind: str, beta_gate: float =
     without remat lost 15 GiB of peak memory and 18 ms per step of expert dispatch and copies with
     it (BENCHMARKS.md). Reverse mode only (a custom VJP).
     """
-    dt = jnp.float64 if jnp.result_type(gate, up) == jnp.float64 else jnp.float32
+    dt = compute_dtype(gate, up)
     return _glu_parts(gate.astype(dt), up.astype(dt), kind, beta_gate, beta_up)[0].astype(gate.dtype)
 
 
@@ -56,7 +56,7 @@ def _glu_fwd(gate, up, kind, beta_gate, beta_up):
 
 def _glu_bwd(kind, beta_gate, beta_up, res, dout):
     gate, up = res
-    dt = jnp.float64 if jnp.result_type(gate, up) == jnp.float64 else jnp.float32
+    dt = compute_dtype(gate, up)
     _, d_gate, d_up = _glu_parts(gate.astype(dt), up.astype(dt), kind, beta_gate, beta_up)
     d = dout.astype(dt)
     return (d * d_gate).astype(gate.dtype), (d * d_up).astype(up.dtype)

@@ -53,8 +53,10 @@ def norm_bytes(a: int) -> float:
     return float(a)
 
 
-def _norm_dtype(x):
-    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+def compute_dtype(*xs) -> jnp.dtype:
+    """The dtype for numerics that need more than the inputs carry (norms' variance, gates, softmax):
+    float64 when any input is float64 (only with x64 enabled, in the tests), else float32."""
+    return jnp.float64 if jnp.result_type(*xs) == jnp.float64 else jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -71,7 +73,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _rms_norm_fwd(x, weight, eps):
-    dt = _norm_dtype(x)
+    dt = compute_dtype(x)
     x32 = x.astype(dt)
     r = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     return (x32 * r * weight.astype(dt)).astype(x.dtype), (x, weight, r)

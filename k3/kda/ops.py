@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3.backends import Table
+from k3.nn import compute_dtype
 from pallas_kernels.common import document_index
 from pallas_kernels.kda_inputs import validate_kda_inputs
 
@@ -55,11 +56,6 @@ KDA_CORES = Table("model.kda.impl", default="chunk", auto={"gpu": "pallas"})
 # ----------------------------------------------------------------------------------------------------
 # Validation and input preparation
 # ----------------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(*xs):
-    """float64 when any input is float64 (only possible with x64 enabled), else float32."""
-    return jnp.float64 if jnp.result_type(*xs) == jnp.float64 else jnp.float32
 
 
 def _initial_state(initial_state, B, H, K, V, dtype):
@@ -93,7 +89,7 @@ def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final
     """
     B, T, H, K, V = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
     scale = K**-0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
+    dtype = compute_dtype(q, k, v, g, beta)
     doc_BT = document_index(segment_ids, cu_seqlens, B, T)
     new_doc_BT = jnp.concatenate([jnp.zeros((B, 1), bool), doc_BT[:, 1:] != doc_BT[:, :-1]], axis=1)
 
@@ -263,7 +259,7 @@ def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None, output
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     scale = K**-0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, beta)
+    dtype = compute_dtype(q, k, v, g, beta)
     C = chunk_size
     N = math.ceil(T / C)
     pad = N * C - T
@@ -395,7 +391,7 @@ def l2_normalize(x, eps=1e-6):
       [..., D] in x.dtype.
     """
     x = jnp.asarray(x)
-    x32 = x.astype(_compute_dtype(x))
+    x32 = x.astype(compute_dtype(x))
     rnorm = lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * rnorm).astype(x.dtype)
 

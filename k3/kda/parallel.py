@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from k3.kda.ops import kda_core
+from k3.nn import compute_dtype
 from k3.sharding import context_parallel_specs
 
 __all__ = ["kda_context_parallel", "kda_core_sharded"]
@@ -49,7 +50,7 @@ def _segment_pair(q, k, v, g, beta, segment_ids, core_kwargs):
     v_aug_BTHW = jnp.concatenate([jnp.zeros((B, T, H, K), v.dtype), v], axis=-1)
     # The core keeps its state in fp32 (fp64 for fp64 inputs) whatever the input dtype; an fp32
     # identity is exact in either.
-    dtype = jnp.float64 if jnp.result_type(q, k, v, g, beta) == jnp.float64 else jnp.float32
+    dtype = compute_dtype(q, k, v, g, beta)
     eye_KW = jnp.concatenate([jnp.eye(K, dtype=dtype), jnp.zeros((K, V), dtype)], axis=-1)
     init_BHKW = jnp.broadcast_to(eye_KW, (B, H, K, K + V))
     _, end_BHKW = kda_core(
