@@ -23,7 +23,8 @@ import numpy as np
 from experiments.bench_train_step import build_config
 from k3.steps import make_run
 
-REFERENCE = ("model.kda.impl=chunk", "model.moe.expert_impl=ragged", "model.mla.attention_impl=xla")
+REFERENCE = ("model.kda.impl=chunk", "model.moe.expert_impl=ragged", "model.mla.attention_impl=xla",
+             "model.attn_res_impl=xla", "model.kda.conv_impl=xla")
 
 
 def stdlib_batches(n_batches: int, batch: int, seq_len: int, vocab: int):

@@ -41,7 +41,7 @@ def default_config() -> ConfigDict:
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
     m.remat = False  # rematerialise each scanned layer group in the backward pass
-    m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels', 'matmuls_kernels'
+    m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels', 'dots_kernels_glu', 'matmuls_kernels'
     m.scan_layers = True
 
     a = m.mla = ConfigDict()
@@ -69,6 +69,8 @@ def default_config() -> ConfigDict:
     k.chunk_size = 16
     k.impl = "auto"  # k3.kda.ops.KDA_CORES: 'auto' (Pallas on GPU, 'chunk' elsewhere), 'chunk' = 'reference'
     # (jnp chunked), 'recurrent' (token scan), 'pallas'
+    k.conv_impl = "auto"  # k3.kda.layer.CONV_BACKENDS: conv+SiLU(+L2) branches, 'xla' (jnp) or 'pallas' (kernels);
+    # 'auto': pallas on a GPU
 
     e = m.moe = ConfigDict()
     e.n_experts = 8
@@ -166,6 +168,7 @@ _CHOICES = {
 # the one list of allowed values. (module, attribute) pairs, imported when a config is validated.
 _TABLES = {
     "model.kda.impl": ("k3.kda.ops", "KDA_CORES"),
+    "model.kda.conv_impl": ("k3.kda.layer", "CONV_BACKENDS"),
     "model.moe.expert_impl": ("k3.moe.layer", "EXPERT_BACKENDS"),
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
     "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),

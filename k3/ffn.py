@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3.nn import cast, compute_dtype, normal, param
 
@@ -35,10 +36,16 @@ def _glu_parts(g, u, kind, beta_gate, beta_up):
     raise ValueError(f"unknown activation {kind!r}; expected 'swiglu' or 'situ'")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+# `jax.ad_checkpoint.checkpoint_name` of every gated activation's output, so a remat policy can keep
+# it (`k3.model.REMAT_POLICIES`'s 'dots_kernels_glu') rather than recompute it for the down
+# projection's weight gradient.
+GLU_OUTPUT = "glu_output"
+
+
 def glu_activation(gate: jax.Array, up: jax.Array, kind: str, beta_gate: float = 4.0,
                    beta_up: float = 25.0) -> jax.Array:
-    """Gated activation of ``gate`` and ``up`` (same shape), computed in fp32, cast back.
+    """Gated activation of ``gate`` and ``up`` (same shape, e.g. [N, F] or [E, C, F]), computed in
+    fp32, cast back to gate's dtype; its output is named `GLU_OUTPUT` for remat policies.
 
     kind: 'swiglu' -> silu(gate) * up; 'situ' -> SiTU-GLU with the given betas.
     Its backward recomputes the activation from gate and up in one elementwise pass, where autodiff
@@ -46,12 +53,17 @@ def glu_activation(gate: jax.Array, up: jax.Array, kind: str, beta_gate: float =
     without remat lost 15 GiB of peak memory and 18 ms per step of expert dispatch and copies with
     it (BENCHMARKS.md). Reverse mode only (a custom VJP).
     """
+    return checkpoint_name(_glu(gate, up, kind, beta_gate, beta_up), GLU_OUTPUT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _glu(gate, up, kind, beta_gate, beta_up):
     dt = compute_dtype(gate, up)
     return _glu_parts(gate.astype(dt), up.astype(dt), kind, beta_gate, beta_up)[0].astype(gate.dtype)
 
 
 def _glu_fwd(gate, up, kind, beta_gate, beta_up):
-    return glu_activation(gate, up, kind, beta_gate, beta_up), (gate, up)
+    return _glu(gate, up, kind, beta_gate, beta_up), (gate, up)
 
 
 def _glu_bwd(kind, beta_gate, beta_up, res, dout):
@@ -62,7 +74,7 @@ def _glu_bwd(kind, beta_gate, beta_up, res, dout):
     return (d * d_gate).astype(gate.dtype), (d * d_up).astype(up.dtype)
 
 
-glu_activation.defvjp(_glu_fwd, _glu_bwd)
+_glu.defvjp(_glu_fwd, _glu_bwd)
 
 
 class GLUMLP(nnx.Module):

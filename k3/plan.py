@@ -64,7 +64,7 @@ import numpy as np
 from flax import nnx
 
 from k3 import optim as k3_optim
-from k3.attn_res import attn_res_bytes, stream_carry_bytes
+from k3.attn_res import MIX_BACKENDS, attn_res_bytes, stream_carry_bytes
 from k3.config import layer_kinds, validate
 from k3.backends import BackendError
 from k3.ffn import dense_residual_bytes, dense_tensor_bytes
@@ -75,6 +75,7 @@ from k3.mla.layer import ATTENTION
 from k3.model import Model, cross_entropy, plan_layers
 from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
                          moe_tensor_bytes, router_bias_bytes)
+from k3.kda.layer import CONV_BACKENDS
 from k3.kda.ops import KDA_CORES
 from k3.moe.layer import EXPERT_BACKENDS
 from k3.nn import norm_bytes
@@ -628,14 +629,16 @@ def saved_residual_bytes(cfg, batch: int, seq: int, platform: str = "gpu") -> fl
     It follows what the code does: ``model.remat`` and ``model.remat_policy`` decide what is saved
     (the layer-group inputs only under 'full', plus matmul outputs under 'dots', plus the kernels'
     named residuals under 'dots_kernels' ...), and the kernels are those ``platform`` runs ('auto'
-    resolved there: Pallas KDA, flash attention and capacity experts on 'gpu'). What it cannot see
-    is XLA's working set while a group's forward is recomputed in the backward: on the H200 the
-    measured peaks of K3 1024:12 at 32K tokens exceed parameters, optimizer, gradients and this count
-    by 13.4-15.1 GiB under all three policies (`experiments.plan_vs_measured`)."""
+    resolved there: Pallas KDA, conv branches and depth mixes, flash attention and capacity experts
+    on 'gpu'). What it cannot see is XLA's working set while a group's forward is recomputed in the
+    backward: on the H200 the measured peaks of K3 1024:12 at 32K tokens exceed parameters,
+    optimizer, gradients and this count by 13.4-15.1 GiB under all three policies
+    (`experiments.plan_vs_measured`)."""
     m = copy.deepcopy(cfg.model)
     with m.unlocked() if hasattr(m, "unlocked") else contextlib.nullcontext():
         for node, key, table in ((m.mla, "attention_impl", ATTENTION), (m.kda, "impl", KDA_CORES),
-                                 (m.moe, "expert_impl", EXPERT_BACKENDS)):
+                                 (m.moe, "expert_impl", EXPERT_BACKENDS), (m.kda, "conv_impl", CONV_BACKENDS),
+                                 (m, "attn_res_impl", MIX_BACKENDS)):
             try:
                 node[key] = table.resolve(node[key], platform)
             except BackendError:

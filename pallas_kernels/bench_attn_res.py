@@ -14,30 +14,13 @@ output's max |value|; the largest is printed).
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-import time
-
 import jax
 import jax.numpy as jnp
 
 from k3 import attn_res
 from k3.hardware import device_hbm_bandwidth
 from pallas_kernels.attn_res import depth_mix_pallas
-
-
-def _time(fn, args, iters: int) -> float:
-    """Median seconds of ``iters`` calls after three warm-ups."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from pallas_kernels.common import kernel_bench_main, median_seconds
 
 
 def make_inputs(M, B, T, D, seed=0):
@@ -84,8 +67,8 @@ def bench(shape, variants, iters):
         err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                         / jnp.max(jnp.abs(b.astype(jnp.float32))))
                   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
-        t_f = _time(fwd, (cands, extra, w), iters)
-        t_fb = _time(fwdbwd, (cands, extra, w, dout), iters)
+        t_f = median_seconds(fwd, (cands, extra, w), iters)
+        t_fb = median_seconds(fwdbwd, (cands, extra, w, dout), iters)
         rows.append(dict(impl=name, block=blk, warps=warps, shape=list(shape), fwd_ms=t_f * 1e3,
                          fwdbwd_ms=t_fb * 1e3, max_rel_diff_vs_jnp=err,
                          fwd_hbm_frac=fwd_bytes / t_f / hbm if hbm else None,
@@ -98,28 +81,11 @@ def bench(shape, variants, iters):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="3x8x4096x1024", help="MxBxTxD")
-    ap.add_argument("--variants", default="16:8,16:4,8:4,32:8", help="block:warps of the kernels, comma-separated")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--json", default="")
-    a = ap.parse_args(argv)
-    shape = tuple(int(x) for x in a.shape.split("x"))
-    if len(shape) != 4:
-        raise SystemExit(f"--shape must be MxBxTxD; got {a.shape!r}")
-    rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters)
-    print(f"{'impl':8s} {'block':>5s} {'warps':>5s} {'fwd ms':>8s} {'HBM':>5s} {'fwd+bwd ms':>10s} {'HBM':>5s} "
-          f"{'jnp/this fwd':>12s} {'fwd+bwd':>8s} {'rel diff':>9s}")
-    for r in rows:
-        frac = lambda x: f"{x:5.0%}" if x is not None else "    -"  # noqa: E731
-        print(f"{r['impl']:8s} {r['block']:5d} {r['warps']:5d} {r['fwd_ms']:8.3f} {frac(r['fwd_hbm_frac'])} "
-              f"{r['fwdbwd_ms']:10.3f} {frac(r['fwdbwd_hbm_frac'])} {r['jnp_over_this_fwd']:12.2f} "
-              f"{r['jnp_over_this_fwdbwd']:8.2f} {r['max_rel_diff_vs_jnp']:9.2e}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": "python -m pallas_kernels.bench_attn_res " + " ".join(argv),
-                       "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    return kernel_bench_main(
+        argv, doc=__doc__, module="pallas_kernels.bench_attn_res", shape_help="MxBxTxD",
+        default_shape="3x8x4096x1024", default_variants="16:8,16:4,8:4,32:8",
+        variants_help="block:warps of the kernels, comma-separated", bench=bench, label_header="block:warps",
+        label=lambda r: f"{r['block']}:{r['warps']}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +61,66 @@ def triton_params(interpret: bool, num_warps: int, num_stages: int):
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def median_seconds(fn, args, iters: int) -> float:
+    """Median wall-clock seconds of ``iters`` calls of ``fn(*args)`` (each waited for) after three warm-ups."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def pipelined_seconds(fn, args, iters: int, repeats: int = 5) -> float:
+    """Seconds per call of ``fn(*args)`` dispatched ``iters`` times back to back and waited for once
+    (median of ``repeats`` such rounds, after three warm-ups): the device stays busy, so a call far
+    shorter than its launch and synchronisation is not timed as their sum."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    rounds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(outs)
+        rounds.append((time.perf_counter() - t0) / iters)
+    return statistics.median(rounds)
+
+
+def kernel_bench_main(argv, *, doc: str, module: str, shape_help: str, default_shape: str, variants_help: str,
+                      default_variants: str, bench, label_header: str, label, extra_json: dict | None = None):
+    """The command line the kernel-vs-jnp benchmarks share: parses --shape (4 dims, ``shape_help``),
+    --variants, --iters and --json; runs ``bench(shape, variants, iters)``, which returns rows with
+    impl, fwd_ms, fwdbwd_ms, their HBM fractions, jnp_over_this_* ratios and max_rel_diff_vs_jnp;
+    prints them (``label(row)`` names the variant) and writes the JSON with the exact command."""
+    import argparse
+    import json
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--shape", default=default_shape, help=shape_help)
+    ap.add_argument("--variants", default=default_variants, help=variants_help)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    shape = tuple(int(x) for x in a.shape.split("x"))
+    if len(shape) != 4:
+        raise SystemExit(f"--shape must be {shape_help}; got {a.shape!r}")
+    rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters)
+    width = max(len(label_header), *(len(label(r)) for r in rows))
+    print(f"{'impl':8s} {label_header:>{width}s} {'fwd ms':>8s} {'HBM':>5s} {'fwd+bwd ms':>10s} {'HBM':>5s} "
+          f"{'jnp/this fwd':>12s} {'fwd+bwd':>8s} {'rel diff':>9s}")
+    for r in rows:
+        frac = lambda x: f"{x:5.0%}" if x is not None else "    -"  # noqa: E731
+        print(f"{r['impl']:8s} {label(r):>{width}s} {r['fwd_ms']:8.3f} {frac(r['fwd_hbm_frac'])} "
+              f"{r['fwdbwd_ms']:10.3f} {frac(r['fwdbwd_hbm_frac'])} {r['jnp_over_this_fwd']:12.2f} "
+              f"{r['jnp_over_this_fwdbwd']:8.2f} {r['max_rel_diff_vs_jnp']:9.2e}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"command": f"python -m {module} " + " ".join(argv), "device": jax.devices()[0].device_kind,
+                       **(extra_json or {}), "rows": rows}, f, indent=1)
+    return rows

@@ -202,13 +202,14 @@ def _live_kernel_calls(jaxpr) -> collections.Counter:
 def test_kernel_residual_policies_run_each_forward_kernel_once():
     """Under 'dots' a rematerialised layer runs the Pallas KDA and flash-attention forward kernels
     twice (forward, and again in the backward pass); 'dots_kernels' keeps what their custom_vjps
-    name, so each runs once. Loss and gradients do not change."""
+    name, so each runs once, as under 'dots_kernels_glu' (which also keeps the gated activations'
+    outputs). Loss and gradients do not change."""
     cfg = tiny_model_cfg(**{"kda.impl": "pallas", "mla.attention_impl": "flash", "dtype": "bfloat16"})
     kinds = [mixer for mixer, _ in layer_kinds(cfg)]
     n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
     tokens = jax.random.randint(jax.random.key(5), (2, 24), 0, cfg.vocab_size)
     results = []
-    for policy, runs in (("dots", 2), ("dots_kernels", 1)):
+    for policy, runs in (("dots", 2), ("dots_kernels", 1), ("dots_kernels_glu", 1)):
         cfg.remat, cfg.remat_policy = True, policy
         graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
@@ -222,7 +223,8 @@ def test_kernel_residual_policies_run_each_forward_kernel_once():
         assert calls["flash_doc_fwd"] == runs * n_mla, (policy, dict(calls))
         assert calls["kda_state_bwd"] == n_kda and calls["flash_doc_dq"] == n_mla
         results.append(jax.jit(jax.value_and_grad(loss))(params))
-    (l0, g0), (l1, g1) = results
-    np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-6)
+    (l0, g0), *others = results
+    for l1, g1 in others:
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-6)

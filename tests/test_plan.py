@@ -173,17 +173,18 @@ def test_plan_follows_the_kernels_the_platform_runs():
 
 def test_saved_residual_bytes_follow_the_remat_policy_and_the_tokens():
     """Traced residuals: 'full' keeps less than 'dots', which keeps less than 'dots_kernels' with the
-    GPU's kernels (their named residuals) and than no remat; they grow linearly with the batch (the
-    parts that do not, such as the bf16 weight copies, cancel in the differences)."""
+    GPU's kernels (their named residuals), less than 'dots_kernels_glu' (the gated activations'
+    outputs too) and than no remat; they grow linearly with the batch (the parts that do not, such
+    as the bf16 weight copies, cancel in the differences)."""
     def saved(policy, batch, remat=True, platform="gpu"):
         c = default_config()
         c.model = tiny_model_cfg(dtype="bfloat16")
         c.model.remat, c.model.remat_policy = remat, policy
         return P.saved_residual_bytes(c, batch, 32, platform=platform)
 
-    full, dots, kernels, none = (saved("full", 2), saved("dots", 2), saved("dots_kernels", 2),
-                                 saved("full", 2, remat=False))
-    assert 0 < full < dots < kernels < none
+    full, dots, kernels, glu, none = (saved("full", 2), saved("dots", 2), saved("dots_kernels", 2),
+                                      saved("dots_kernels_glu", 2), saved("full", 2, remat=False))
+    assert 0 < full < dots < kernels < glu < none
     one, two, four = saved("dots", 1), dots, saved("dots", 4)
     assert four - two == pytest.approx(2 * (two - one), rel=0.05)
     # The CPU's kernels (jnp chunked KDA, XLA attention) name no residuals: the two policies agree.

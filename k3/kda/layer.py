@@ -7,7 +7,9 @@ beta = sigmoid(W_b x)                                                  per head
 o    = W_o (sigmoid(W_g x) * RMSNorm_head(KDA(q, k, v, g, beta)))
 
 The delta-rule core goes through the single dispatch point `k3.kda.ops.kda_core`, so the Pallas
-kernel is selected by ``model.kda.impl``. Gate, beta and state math run in fp32.
+kernel is selected by ``model.kda.impl``; the three conv branches go through `CONV_BACKENDS`
+(``model.kda.conv_impl``: one Pallas kernel forward and one backward per branch on a GPU). Gate,
+beta and state math run in fp32.
 
 Decoding is the layer's too: its fixed-size cache (`KDA.init_cache`), running new tokens on it
 (`KDA.extend`) and rebuilding it after a prefix of them for speculative rollback (`replay_kda`).
@@ -20,21 +22,26 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from k3.nn import cast, normal, ones, param, rms_norm, zeros
+from k3.backends import Table
+from k3.nn import cast, compute_dtype, normal, ones, param, rms_norm, zeros
 from k3.kda.ops import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
 from k3.kda.parallel import kda_core_sharded
 from k3.sharding import Sharder, spec_axes
+from pallas_kernels.short_conv import conv_silu_pallas
 
 
 def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
     """Depthwise causal convolution: out_t = sum_i w[W-1-i] * x_{t-i}, never across documents.
 
-    x: [B, T, C]; w: [W, C] (w[W-1] multiplies the current token). Computed in fp32.
+    x: [B, T, C]; w: [W, C] (w[W-1] multiplies the current token). Computed in fp32 (float64 for
+    float64 x).
     """
     W = w_WC.shape[0]
-    x = x_BTC.astype(jnp.float32)
-    w = w_WC.astype(jnp.float32)
+    dt = compute_dtype(x_BTC)
+    x = x_BTC.astype(dt)
+    w = w_WC.astype(dt)
     out = x * w[W - 1]
     for i in range(1, W):
         shifted = jnp.pad(x, ((0, 0), (i, 0), (0, 0)))[:, : x.shape[1]]
@@ -43,6 +50,38 @@ def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | N
             shifted = jnp.where((seg_shifted == segment_ids_BT)[..., None], shifted, 0.0)
         out = out + shifted * w[W - 1 - i]
     return out
+
+
+L2_EPS = 1e-6  # `l2_normalize`'s, for q and k
+
+
+def conv_branch_xla(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None, head_dim: int,
+                    eps: float = L2_EPS) -> jax.Array:
+    """One conv branch: silu(causal_conv(y)), then (head_dim > 0, q and k) each group of head_dim
+    channels L2-normalised: [B, T, C] in y's dtype, the math in fp32.
+
+    y: [B, T, C] projections (C = heads * head_dim); w: [W, C]; segment_ids: optional [B, T].
+    """
+    B, T, C = y_BTC.shape
+    a = jax.nn.silu(causal_conv(y_BTC, w_WC, segment_ids_BT))
+    if head_dim:
+        a = l2_normalize(a.reshape(B, T, C // head_dim, head_dim), eps).reshape(B, T, C)
+    return a.astype(y_BTC.dtype)
+
+
+# Who computes the conv branches (``model.kda.conv_impl``): 'xla' the jnp `conv_branch_xla`,
+# 'pallas' one Pallas kernel forward and one backward (`pallas_kernels.short_conv`).
+CONV_BACKENDS = Table("model.kda.conv_impl", default="xla", auto={"gpu": "pallas"})
+CONV_BACKENDS.register("xla")(conv_branch_xla)
+
+
+@CONV_BACKENDS.register("pallas")
+def conv_branch_kernels(y_BTC, w_WC, segment_ids_BT, head_dim, eps=L2_EPS):
+    """`conv_branch_xla` through the Pallas kernels where the head dim suits their tiles (a power of
+    two); other head dims run `conv_branch_xla` itself."""
+    if head_dim & (head_dim - 1):
+        return conv_branch_xla(y_BTC, w_WC, segment_ids_BT, head_dim, eps)
+    return conv_silu_pallas(y_BTC, w_WC, segment_ids_BT, head_dim, eps)
 
 
 def conv_ring(ring_BWC: jax.Array, new_BTC: jax.Array, n_valid_B: jax.Array) -> jax.Array:
@@ -80,7 +119,7 @@ class KDA(nnx.Module):
         self.gate_kind, self.lower_bound = k.gate, k.gate_lower_bound
         # 'auto' is resolved here, once: the sharded path below and `extend` test the concrete name.
         self.impl, self.chunk_size = KDA_CORES.resolve(k.impl), k.chunk_size
-        self.conv_size = k.conv_size
+        self.conv_size, self.conv_impl = k.conv_size, CONV_BACKENDS.resolve(k.conv_impl)
         self.dtype = jnp.dtype(cfg.dtype)
         # The Pallas kernel's matmuls follow the compute dtype (bf16 operands, fp32 accumulation).
         self.matmul_dtype = "bfloat16" if self.dtype == jnp.bfloat16 else "float32"
@@ -102,11 +141,28 @@ class KDA(nnx.Module):
         self.o_norm = param(rngs, ones, (K,), ("head_dim",))
         self.w_o = param(rngs, init, (H, K, D), ("heads", "head_dim", "embed"))
 
-    def _branch(self, x, w, conv, segment_ids):
+    def _branch(self, x, w, conv, segment_ids, norm: bool):
+        """Projection, conv, SiLU (and per-head L2 norm when ``norm``): [B, T, H, K] in the compute dtype."""
         y = jnp.einsum("btd,dhk->bthk", x, cast(w, self.dtype))
-        B, T, H, K = y.shape
-        y = causal_conv(y.reshape(B, T, H * K), conv[...].reshape(-1, H * K), segment_ids)
-        return jax.nn.silu(y).reshape(B, T, H, K)
+        sh = self.sharder
+        split = self.conv_impl == "pallas" and sh is not None and sh.mesh.size > 1
+        # The kernels see whole rows of their device's tokens and heads; a split sequence would need
+        # the neighbour's last conv_size - 1 tokens, so that case stays with XLA's conv.
+        fn = conv_branch_xla if split and sh.size("context") > 1 else CONV_BACKENDS.get(self.conv_impl)
+
+        def run(y_BTHK, w_WHK, seg_BT):
+            B, T, H, K = y_BTHK.shape
+            out = fn(y_BTHK.reshape(B, T, H * K), w_WHK.reshape(-1, H * K), seg_BT, K if norm else 0)
+            return out.reshape(B, T, H, K)
+
+        if split and sh.size("context") == 1:
+            B, T, H, _ = y.shape
+            y_spec = sh.spec(("batch", "seq", "act_heads", None), y.shape)
+            seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+            return jax.shard_map(run, mesh=sh.mesh, in_specs=(y_spec, PartitionSpec(None, y_spec[2], None),
+                                                                PartitionSpec(*y_spec[:2])),
+                                 out_specs=y_spec, check_vma=False)(y, conv[...], seg)
+        return run(y, conv[...], segment_ids)
 
     def gates(self, x_BTD: jax.Array):
         """Per-channel log decay g [B, T, H, K] and beta [B, T, H], both fp32."""
@@ -125,9 +181,9 @@ class KDA(nnx.Module):
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
                  initial_state=None, return_state: bool = False):
         x = x_BTD.astype(self.dtype)
-        q = l2_normalize(self._branch(x, self.w_q, self.conv_q, segment_ids_BT)).astype(self.dtype)
-        k = l2_normalize(self._branch(x, self.w_k, self.conv_k, segment_ids_BT)).astype(self.dtype)
-        v = self._branch(x, self.w_v, self.conv_v, segment_ids_BT).astype(self.dtype)
+        q = self._branch(x, self.w_q, self.conv_q, segment_ids_BT, norm=True)
+        k = self._branch(x, self.w_k, self.conv_k, segment_ids_BT, norm=True)
+        v = self._branch(x, self.w_v, self.conv_v, segment_ids_BT, norm=False)
         g, beta = self.gates(x)
         kwargs = dict(impl=self.impl, initial_state=initial_state, output_final_state=return_state,
                       chunk_size=self.chunk_size, matmul_dtype=self.matmul_dtype,

@@ -1,0 +1,29 @@
+"""The kernel benchmarks' command lines run end to end at a tiny shape (kernels interpreted on a CPU):
+rows for jnp and every variant, the kernels' outputs checked against jnp, the JSON with its command."""
+
+import json
+
+import pytest
+
+from pallas_kernels import bench_attn_res, bench_short_conv
+
+
+def test_short_conv_bench_rows_and_json(tmp_path):
+    out = tmp_path / "conv.json"
+    rows = bench_short_conv.main(["--shape=1x40x2x16", "--variants=8:32:2:4,4:16:4:2:g", "--iters=1",
+                                  f"--json={out}"])
+    assert [(r["impl"], r["norm"], r["rows"]) for r in rows] == [
+        ("jnp", True, ""), ("pallas", True, "s"), ("pallas", True, "g"),
+        ("jnp", False, ""), ("pallas", False, "s"), ("pallas", False, "g")]
+    assert all(r["max_rel_diff_vs_jnp"] < 1e-2 and r["fwdbwd_ms"] > 0 for r in rows)
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("python -m pallas_kernels.bench_short_conv --shape=1x40x2x16")
+    assert saved["timing"] == "pipelined" and len(saved["rows"]) == 6
+
+
+def test_attn_res_bench_rows_and_bad_shape(capsys):
+    rows = bench_attn_res.main(["--shape=2x1x16x16", "--variants=2:1", "--iters=1"])
+    assert [r["impl"] for r in rows] == ["jnp", "pallas"] and rows[1]["max_rel_diff_vs_jnp"] < 2e-2
+    assert "block:warps" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="MxBxTxD"):
+        bench_attn_res.main(["--shape=2x16x16"])
