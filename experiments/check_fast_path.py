@@ -4,8 +4,9 @@
 
 For each model (ladder config STYLE:D_MODEL:LAYERS, bf16 compute) the same seed and the same
 batches (bytes of Python standard-library sources in packed documents) are trained twice: with
-the platform defaults ('auto': on a GPU the Pallas KDA kernel, capacity experts, cuDNN attention)
-and with the reference entries (jnp chunked KDA, dropless ragged_dot experts, XLA attention).
+the platform defaults ('auto': on a GPU the Pallas KDA, conv-branch and depth-mix kernels, capacity
+experts, the flash attention kernel) and with the reference entries (jnp chunked KDA, conv branches
+and depth mixes, dropless ragged_dot experts, XLA attention).
 The capacity run uses expert_capacity = E / k, under which no route can be dropped (an expert gets
 at most one route per token), so both runs compute the same function and differ by rounding only;
 a third run at the default capacity reports its drops and their effect. Prints the per-step
