@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.common import compute_dtype  # one definition for the library and its kernels
+
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
@@ -51,12 +53,6 @@ def norm_bytes(a: int) -> float:
     """Bytes an RMSNorm keeps for its backward per input element at ``a`` compute-dtype bytes: its
     input (`rms_norm`'s VJP recomputes the rest; the inverse RMS per row is negligible)."""
     return float(a)
-
-
-def compute_dtype(*xs) -> jnp.dtype:
-    """The dtype for numerics that need more than the inputs carry (norms' variance, gates, softmax):
-    float64 when any input is float64 (only with x64 enabled, in the tests), else float32."""
-    return jnp.float64 if jnp.result_type(*xs) == jnp.float64 else jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

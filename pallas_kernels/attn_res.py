@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, triton_params
+from pallas_kernels.common import compute_dtype, default_interpret, triton_params
 
 __all__ = ["depth_mix_pallas", "kernel_width_ok"]
 
@@ -40,10 +40,6 @@ __all__ = ["depth_mix_pallas", "kernel_width_ok"]
 def kernel_width_ok(d_model: int) -> bool:
     """Whether the kernels take rows of this width: a power of two >= 16 (Triton's tile sides)."""
     return d_model >= 16 and d_model & (d_model - 1) == 0
-
-
-def _compute_dtype(x):
-    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
 
 
 def _candidate(cands_ref, extra_ref, m, M, dt):
@@ -107,7 +103,7 @@ def _specs(M, BN, D):
 
 def _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
     M, N, D = cands_MND.shape
-    dt = _compute_dtype(cands_MND)
+    dt = compute_dtype(cands_MND)
     cand, tok, stat, whole = _specs(M, block, D)
     valid = jnp.broadcast_to(valid_M1.astype(dt)[:, None], (M + 1, 16))
     w = w_D.astype(dt)[None, :]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -15,6 +18,12 @@ from jax import lax
 # forward a second time inside the backward pass.
 KDA_RESIDUALS = "kda_residuals"
 ATTENTION_RESIDUALS = "attention_residuals"
+
+
+def compute_dtype(*xs) -> jnp.dtype:
+    """The dtype for numerics that need more than the inputs carry (norms' variance, gates, softmax):
+    float64 when any input is float64 (only with x64 enabled, in the tests), else float32."""
+    return jnp.float64 if jnp.result_type(*xs) == jnp.float64 else jnp.float32
 
 
 def default_interpret() -> bool:
@@ -96,10 +105,6 @@ def kernel_bench_main(argv, *, doc: str, module: str, shape_help: str, default_s
     --variants, --iters and --json; runs ``bench(shape, variants, iters)``, which returns rows with
     impl, fwd_ms, fwdbwd_ms, their HBM fractions, jnp_over_this_* ratios and max_rel_diff_vs_jnp;
     prints them (``label(row)`` names the variant) and writes the JSON with the exact command."""
-    import argparse
-    import json
-    import sys
-
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--shape", default=default_shape, help=shape_help)

@@ -28,7 +28,8 @@ Kernels (Pallas Triton; fp32 math):
           dw partials [N / (block steps) * W, C]
 
 Contract: block, steps, the channel tile and the head dim are powers of two, the tile a multiple
-of the head dim and a divisor of C; N is any size (rows past it are masked). The same source runs interpreted on a CPU and compiled on a GPU.
+of the head dim and a divisor of C; N is any size (rows past it are masked). The same source runs
+interpreted on a CPU and compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import default_interpret, triton_params
+from pallas_kernels.common import compute_dtype, default_interpret, triton_params
 
 __all__ = ["conv_silu_pallas", "tap_bits"]
 
@@ -171,10 +172,6 @@ def _bwd_kernel(y_ref, bits_ref, w_ref, dout_ref, dy_ref, dw_ref, *, N, BT, BC, 
         dw_ref[pl.program_id(1) * W + i, pl.ds(c0, BC)] = dw[i][0]
 
 
-def _compute_dtype(x):
-    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-
-
 def _whole(shape):
     return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
 
@@ -183,7 +180,7 @@ def _forward(y_NC, bits_N, w_WC, cfg):
     K, eps, BC, block, steps, interpret, num_warps, slices = cfg
     N, C = y_NC.shape
     W = w_WC.shape[0]
-    dt = _compute_dtype(y_NC)
+    dt = compute_dtype(y_NC)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, N=N, BT=block, BC=BC, W=W, K=K, eps=eps, dt=dt, slices=slices),
         grid=(C // BC, pl.cdiv(N, block)),
@@ -198,7 +195,7 @@ def _backward(y_NC, bits_N, w_WC, dout_NC, cfg):
     K, eps, BC, block, steps, interpret, num_warps, slices = cfg
     N, C = y_NC.shape
     W = w_WC.shape[0]
-    dt = _compute_dtype(y_NC)
+    dt = compute_dtype(y_NC)
     nb = pl.cdiv(N, block * steps)
     dy, dw = pl.pallas_call(
         functools.partial(_bwd_kernel, N=N, BT=block, BC=BC, W=W, K=K, eps=eps, dt=dt, steps=steps,
@@ -242,8 +239,8 @@ def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Arra
     ``steps`` blocks in a loop, accumulating the taps' gradient) of a channel tile: the largest power
     of two dividing both C and ``channels`` (at least one head with the norm). Powers of two.
     ``row_slices``: compiled kernels address the shifted tiles as row slices (True) or as gathered
-    row indices (False); interpret mode always gathers. ``interpret=None``:
-    compiled on a GPU, interpreted elsewhere.
+    row indices (False); interpret mode always gathers. ``interpret=None``: compiled on a GPU,
+    interpreted elsewhere.
     """
     B, T, C = y_BTC.shape
     W = w_WC.shape[0]
