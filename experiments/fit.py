@@ -19,6 +19,14 @@ Which points feed which fit:
   * the loss noise sigma_L of the bootstrap: the pooled standard deviation of the finals of repeated
     seeds and same-seed repeats (the device's run-to-run noise).
 
+Learning-rate rules. A run trains at the ladder's shared rule or at its arm's own fitted rule
+(``lr_rule`` 'shared' or 'own'; records without the field are shared). The headline fits use, per
+arm, its own-rule points when it has any and its shared-rule points otherwise; when some arm has
+own-rule points, the comparisons are repeated with shared-rule points only (``comparisons_shared_rule``),
+so the multiplier is reported both at each arm's optimum and at one rule for all. The per-arm rule
+``lr*(C) = coef C^exp`` is fitted from each arm's sweeps (>= 3 rates at a size, at >= 2 sizes) and
+printed as the runner's ``lr_rules`` value.
+
 Compute multiplier of an arm over the baseline at compute C: ``M(C) = C_b / C``, where ``C_b`` is the
 compute at which the baseline's fitted law reaches the arm's fitted loss at C. ``M = 2`` means the arm
 reaches a given loss with half the baseline's compute.
@@ -658,6 +666,11 @@ def size_label(rec: dict) -> str:
     return str(rec.get("size") or f"{rec.get('d_model')}x{rec.get('n_layers')}")
 
 
+def lr_rule_of(rec: dict) -> str:
+    """The rule a record's run was trained at: 'own' (its arm's fitted rule) or 'shared'."""
+    return str(rec.get("lr_rule", "shared"))
+
+
 def is_default_lr(rec: dict) -> bool:
     """Whether a record ran at the default learning rate (lr_mult 1)."""
     return math.isclose(float(rec.get("lr_mult", 1.0)), 1.0, rel_tol=1e-9)
@@ -691,6 +704,7 @@ class ArmPoints:
     sizes: list
     C: np.ndarray
     L: np.ndarray
+    lr_rule: str = "shared"
     C_all: np.ndarray = field(default_factory=lambda: np.zeros(0))
     N_all: np.ndarray = field(default_factory=lambda: np.zeros(0))
     D_all: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -698,12 +712,25 @@ class ArmPoints:
     final_all: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
 
 
-def arm_points(records: Sequence[dict], convention: str) -> dict[str, ArmPoints]:
-    """Group records by arm into `ArmPoints` under ``convention`` ('6N' or 'full'); arms sorted by name."""
+RULE_SELECTIONS = ("best", "shared")
+
+
+def arm_points(records: Sequence[dict], convention: str, rule: str = "best") -> dict[str, ArmPoints]:
+    """Group records by arm into `ArmPoints` under ``convention`` ('6N' or 'full'); arms sorted by name.
+
+    rule: 'best' takes an arm's own-rule points when it has any and its shared-rule points otherwise;
+    'shared' takes shared-rule points only (an arm with none is left out)."""
+    if rule not in RULE_SELECTIONS:
+        raise ValueError(f"rule={rule!r}; expected one of {RULE_SELECTIONS}")
     key = CONVENTIONS[convention]
     arms = {}
     for arm in sorted({str(r["arm"]) for r in records if "arm" in r}):
         base = [r for r in records if r.get("arm") == arm and is_seed0(r) and is_default_lr(r)]
+        by_rule = {x: [r for r in base if lr_rule_of(r) == x] for x in ("own", "shared")}
+        used = "own" if rule == "best" and by_rule["own"] else "shared"
+        base = by_rule[used]
+        if not base and rule == "shared":
+            continue
         for r in base:
             for k in (key, "val_loss", "tokens"):
                 if r.get(k) is None:
@@ -721,6 +748,7 @@ def arm_points(records: Sequence[dict], convention: str) -> dict[str, ArmPoints]
             sizes=[s for s, _ in main],
             C=np.array([float(r[key]) for _, r in main]),
             L=np.array([float(r["val_loss"]) for _, r in main]),
+            lr_rule=used,
             C_all=C_all,
             N_all=C_all / (6.0 * D_all),
             D_all=D_all,
@@ -765,7 +793,7 @@ def check_arms(arms: Mapping[str, ArmPoints], baseline: str) -> None:
 
 
 def estimate_sigma(records: Sequence[dict]) -> tuple[float | None, dict]:
-    """Pooled std (ddof=1, nats) of final val_loss per (arm, size) with >= 2 runs at lr_mult 1.
+    """Pooled std (ddof=1, nats) of final val_loss per (arm, size, rule) with >= 2 runs at lr_mult 1.
 
     A group's runs are its seeds and its same-seed repeats (the runner's 'repeats' job), so the
     estimate carries both the initialisation noise and the run-to-run noise of the device (on a GPU
@@ -777,7 +805,7 @@ def estimate_sigma(records: Sequence[dict]) -> tuple[float | None, dict]:
     for r in records:
         if r.get("is_final") and is_default_lr(r) and r.get("val_loss") is not None and has_finite_loss(r):
             key = (int(r.get("seed", 0)), int(r.get("repeat", 0)))
-            groups.setdefault((r.get("arm"), size_label(r)), {})[key] = float(r["val_loss"])
+            groups.setdefault((r.get("arm"), size_label(r), lr_rule_of(r)), {})[key] = float(r["val_loss"])
 
     def pooled(value_lists):
         ss, dof = 0.0, 0
@@ -810,7 +838,7 @@ def resolve_sigma(records: Sequence[dict], sigma: float = 0.0, default_sigma: fl
         return {"value": float(default_sigma),
                 "source": f"default {default_sigma:g} nats: no size was run with more than one seed", **info}
     return {"value": est, "source": f"pooled std of final val_loss over seeds and same-seed repeats: "
-                                   f"{info['n_groups']} (arm, size) groups, {info['n_runs']} runs "
+                                   f"{info['n_groups']} (arm, size, rule) groups, {info['n_runs']} runs "
                                    f"({info['n_repeat_runs']} repeats)", **info}
 
 
@@ -823,7 +851,8 @@ def _compare(a_b: ArmPoints, a_n: ArmPoints, baseline: str, sigma: float, n_boot
     """Every multiplier estimate of arm ``a_n`` over ``a_b``, JSON-ready."""
     C_max = float(max(a_b.C.max(), a_n.C.max()))
     C_eval = np.append(a_n.C, C_max)
-    out = {}
+    # Which learning-rate rule each side's points ran at: a comparison across rules is flagged.
+    out = {"lr_rules": {"arm": a_n.lr_rule, "baseline": a_b.lr_rule}}
 
     shared = fit_shared_exponent({baseline: (a_b.C, a_b.L), a_n.arm: (a_n.C, a_n.L)})
     out["shared_alpha"] = {
@@ -869,7 +898,7 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
         fits = {}
         for name, a in arms.items():
             pl = fit_power_law(a.C, a.L)
-            entry = {"n_main": len(a.C), "n_all": len(a.C_all), "sizes": a.sizes, "C": a.C.tolist(),
+            entry = {"lr_rule": a.lr_rule, "n_main": len(a.C), "n_all": len(a.C_all), "sizes": a.sizes, "C": a.C.tolist(),
                      "L": a.L.tolist(), "power_law": {"A": pl.A, "alpha": pl.alpha, "sse": pl.sse}}
             if len(a.C) >= 3:
                 pe = fit_power_law(a.C, a.L, with_E=True)
@@ -885,7 +914,27 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
         comparisons = {name: _compare(arms[baseline], a, baseline, sigma_info["value"], n_boot, n_boot_E, seed)
                        for name, a in arms.items() if name != baseline}
         report["conventions"][conv] = {"fits": fits, "comparisons": comparisons, "lr_rules": lr_rules(records, conv)}
+        if any(a.lr_rule == "own" for a in arms.values()):
+            report["conventions"][conv]["comparisons_shared_rule"] = _shared_rule_comparisons(
+                records, conv, baseline, list(arms), sigma_info["value"], n_boot, n_boot_E, seed)
     return report
+
+
+def _shared_rule_comparisons(records, conv, baseline, names, sigma, n_boot, n_boot_E, seed) -> dict:
+    """`_compare` of each arm of ``names`` with the baseline on shared-rule points only; an arm with
+    fewer than 2 such sizes gets {'skipped': why}, and so does the whole when the baseline has."""
+    arms = arm_points(records, conv, rule="shared")
+    size_count = lambda name: len(arms[name].C) if name in arms else 0
+    if size_count(baseline) < 2:
+        return {"skipped": f"the baseline {baseline!r} has {size_count(baseline)} shared-rule size(s); needs 2"}
+    return {name: (_compare(arms[baseline], arms[name], baseline, sigma, n_boot, n_boot_E, seed)
+                   if size_count(name) >= 2 else {"skipped": f"{size_count(name)} shared-rule size(s); needs 2"})
+            for name in names if name != baseline}
+
+
+def lr_rules_setting(rules: Mapping[str, dict]) -> str:
+    """The runner's ``lr_rules`` value ('arm=coef:exp;...') of the fitted rules of `lr_rules`."""
+    return ";".join(f"{arm}={r['coef']:.6g}:{r['exp']:.6g}" for arm, r in rules.items() if "skipped" not in r)
 
 
 def _jsonable(x):
@@ -916,13 +965,13 @@ def format_report(report: dict) -> str:
              f"bootstrap {report['n_boot']} replicates ({report['n_boot_E']} for the law with E), 5-95%.", ""]
     for conv, body in report["conventions"].items():
         lines += [f"## Convention {conv} (C = {CONVENTIONS[conv]})", "",
-                  "| arm | main pts | all pts | C range | A | alpha | SSE(log) | E-fit: E | A | alpha |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| arm | lr rule | main pts | all pts | C range | A | alpha | SSE(log) | E-fit: E | A | alpha |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm, f in body["fits"].items():
             pe = f["power_law_E"]
             e_cols = (["skipped", "", ""] if "skipped" in pe else [_g(pe["E"]), _g(pe["A"]), _g(pe["alpha"])])
             pl = f["power_law"]
-            lines.append(f"| {arm} | {f['n_main']} | {f['n_all']} | {min(f['C']):.2e}..{max(f['C']):.2e} | "
+            lines.append(f"| {arm} | {f.get('lr_rule', 'shared')} | {f['n_main']} | {f['n_all']} | {min(f['C']):.2e}..{max(f['C']):.2e} | "
                          f"{_g(pl['A'])} | {_g(pl['alpha'])} | {_g(pl['sse'], 3)} | " + " | ".join(e_cols) + " |")
         lines += ["", "Chinchilla L(N, D) = E + A/N^alpha + B/D^beta (N = C/(6D)), all seed-0 points:", "",
                   "| arm | n | E | A | B | alpha | beta | objective |", "|---|---|---|---|---|---|---|---|"]
@@ -935,8 +984,14 @@ def format_report(report: dict) -> str:
                              f"{_g(c['beta'])} | {_g(c['objective'], 3)} |")
         for arm, cmp in body["comparisons"].items():
             sh = cmp["shared_alpha"]
-            lines += ["", f"### {arm} vs {b} ({conv})", "",
-                      f"Shared alpha = {_g(sh['alpha'])}: M = {_g(sh['M'])} at every C; SSE(log) shared "
+            rules = cmp.get("lr_rules", {})
+            mixed = rules.get("arm", "shared") != rules.get("baseline", "shared")
+            lines += ["", f"### {arm} vs {b} ({conv})", ""]
+            if mixed:
+                at = {"own": "its own rule", "shared": "the shared rule"}
+                lines += [f"Learning-rate rules differ: {arm} at {at[rules['arm']]}, {b} at {at[rules['baseline']]}.",
+                          ""]
+            lines += [f"Shared alpha = {_g(sh['alpha'])}: M = {_g(sh['M'])} at every C; SSE(log) shared "
                       f"{_g(sh['sse_shared'], 3)} vs separate {_g(sh['sse_separate'], 3)} "
                       f"(F-test p = {_g(sh['f_test_p'], 3)}).", ""]
             for form, title in (("power_law", "L = A C^-alpha"), ("power_law_E", "L = E + A C^-alpha")):
@@ -962,7 +1017,23 @@ def format_report(report: dict) -> str:
                 opts = "; ".join(f"{o['C']:.2e}: {o['lr_opt']:.3g}{'' if o['bracketed'] else ' (outside)'}"
                                  for o in r["sizes"])
                 lines.append(f"| {arm} | {_g(r['coef'])} | {_g(r['exp'])} | {opts} |")
-            lines.append("")
+            lines += ["", f"As the runner's setting: `lr_rules = \"{lr_rules_setting(rules)}\"`", ""]
+        shared = body.get("comparisons_shared_rule")
+        if shared is not None:
+            lines += ["At the shared learning-rate rule (every arm's shared-rule points; the tables above use each "
+                      "arm's own rule where it has one):", ""]
+            if "skipped" in shared:
+                lines += [f"skipped ({shared['skipped']}).", ""]
+            else:
+                lines += ["| arm | shared-alpha M | M at C_max (L = A C^-alpha) | 5% | 95% |", "|---|---|---|---|---|"]
+                for arm, cmp in shared.items():
+                    if "skipped" in cmp:
+                        lines.append(f"| {arm} | skipped: {cmp['skipped']} | | | |")
+                        continue
+                    r = cmp["power_law"]["at_C_max"]
+                    lines.append(f"| {arm} | {_g(cmp['shared_alpha']['M'])} | {_g(r['M'])} | {_g(r['lo'])} | "
+                                 f"{_g(r['hi'])} |")
+                lines.append("")
         lines.append("")
     return "\n".join(lines)
 

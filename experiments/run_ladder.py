@@ -1,10 +1,11 @@
 """Scaling-ladder runner: trains every (arm, size) of a ladder with WSD cooldown branches.
 
     python -m experiments.run_ladder --ladder=experiments/configs/ladder_h200.py --out=DIR \
-        [--arms=k2,k3] [--sizes=64x4,96x4] [--jobs=main,seeds,repeats,sweep] [--deadline_s=540] [--dry_run]
+        [--arms=k2,k3] [--sizes=64x4,96x4] [--jobs=main,shared,seeds,repeats,sweep] [--deadline_s=540] [--dry_run]
 
 A ladder file (see `default_ladder` for every knob) names the arms (`experiments.configs.ladder`),
-the sizes (``d_model x n_layers``), the data and the one learning-rate rule shared by all arms.
+the sizes (``d_model x n_layers``; ``arm_sizes`` gives an arm shapes of its own), the data, the
+learning-rate rule shared by all arms and, in ``lr_rules``, any arm's own fitted rule.
 Each run trains warmup -> constant learning rate -> a (1 - sqrt) cooldown to zero over the last
 ``decay_frac`` of its tokens D; a main run also branches off its stable phase at ``b * D`` with a
 cooldown ending at ``e * D`` (``branches='0.4:0.5'``), so one run yields several (N, D, loss)
@@ -26,13 +27,18 @@ Jobs: 'main' (seed 0, the rule's learning rate, with branches), 'seeds' (``extra
 ``seed_sizes`` smallest sizes: the noise estimate), 'repeats' (``repeats`` more runs of seed 0 at
 those sizes: the device's run-to-run noise, which the noise estimate pools with the seeds'; on a CPU
 they repeat the loss exactly), 'sweep' (``lr_sweep`` multipliers at the ``sweep_sizes`` smallest
-sizes, per arm: a check of the shared rule).
+sizes, per arm: a check of the rule), 'shared' (for every arm that has its own rule in ``lr_rules``,
+the main sizes once more at the shared rule, without branches: the multiplier at one rule for all).
+
+Learning rates: ``lr_coef * C ** lr_exp`` for every arm (C = 6 N D), unless ``lr_rules`` gives an arm
+its own fitted rule; the sweep then brackets that arm's own rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -59,6 +65,9 @@ def default_ladder() -> ConfigDict:
     c.arms = "k2,k3"  # see experiments.configs.ladder.ARMS
     c.baseline = "k2"
     c.sizes = "64x4,96x4,128x4"  # d_model x n_layers, smallest first
+    # Sizes of their own for the arms named, 'arm=SIZE,SIZE,...;arm=...' (e.g. K3 has ~1.4x K2's
+    # active parameters at one shape, so equal compute ranges need other shapes); the rest use `sizes`.
+    c.arm_sizes = ""
     c.tokens_per_param = 20.0  # D = tokens_per_param * non-embedding active params of the arm's rung
     c.min_steps = 20
     c.seq_len = 512
@@ -69,6 +78,10 @@ def default_ladder() -> ConfigDict:
     c.lr_coef = 0.3118
     c.lr_exp = -0.125
     c.adam_lr_ratio = 1.0
+    # Per-arm rules that replace the shared one for the arms they name: 'arm=coef:exp;arm=coef:exp'
+    # (from `python -m experiments.fit`'s learning-rate fit). Those arms' runs are tagged '-own<hash>'
+    # and the 'shared' job trains them at the shared rule too, for the comparison at one rule.
+    c.lr_rules = ""
     c.warmup_frac = 0.02
     c.decay_frac = 0.2  # cooldown share of each trajectory
     c.min_lr_ratio = 0.0
@@ -88,6 +101,8 @@ def default_ladder() -> ConfigDict:
     d = c.data = ConfigDict()
     d.source = "stdlib"
     d.path = ""
+    d.suffixes = "python"  # site_packages: the file suffix set (k3.data.corpus.SITE_SUFFIX_SETS)
+    d.extra_roots = ""  # site_packages: more directories to read, os.pathsep-separated
     d.tokenizer = "byte"
     d.vocab_size = 264  # model vocabulary (>= the tokenizer's)
     d.val_fraction = 0.05
@@ -127,6 +142,53 @@ def parse_branches(text: str) -> list[tuple[float, float]]:
     return sorted(out)
 
 
+def parse_lr_rules(text: str, arms) -> dict[str, tuple[float, float]]:
+    """'arm=coef:exp;...' -> {arm: (coef, exp)}; every arm must be one of ``arms`` and appear once,
+    with coef > 0 (lr = coef * C ** exp, C in FLOPs)."""
+    out = {}
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        arm, sep, rule = part.partition("=")
+        arm = arm.strip()
+        try:
+            coef, exp = (float(x) for x in rule.split(":"))
+        except ValueError:
+            coef = exp = None
+        if not sep or coef is None:
+            raise LadderError(f"lr_rules entry {part!r} is not 'arm=coef:exp' (entries separated by ';')")
+        if arm not in arms:
+            raise LadderError(f"lr_rules names arm {arm!r}, which is not in the ladder's arms ({', '.join(arms)})")
+        if arm in out:
+            raise LadderError(f"lr_rules gives arm {arm!r} twice")
+        if not (coef > 0 and math.isfinite(coef) and math.isfinite(exp)):
+            raise LadderError(f"lr_rules entry {part!r}: coef must be a positive number and exp finite")
+        out[arm] = (coef, exp)
+    return out
+
+
+def parse_arm_sizes(text: str, arms) -> dict[str, list[str]]:
+    """'arm=SIZE,SIZE;arm=...' -> {arm: [size, ...] sorted by (d_model, n_layers)}; arms must be of
+    ``arms`` and appear once, sizes must parse and not repeat."""
+    out = {}
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        arm, sep, sizes = (x.strip() for x in part.partition("="))
+        if not sep or not sizes:
+            raise LadderError(f"arm_sizes entry {part!r} is not 'arm=SIZE,SIZE,...' (entries separated by ';')")
+        if arm not in arms:
+            raise LadderError(f"arm_sizes names arm {arm!r}, which is not in the ladder's arms ({', '.join(arms)})")
+        if arm in out:
+            raise LadderError(f"arm_sizes gives arm {arm!r} twice")
+        listed = [x.strip() for x in sizes.split(",") if x.strip()]
+        if len(set(listed)) != len(listed):
+            raise LadderError(f"arm_sizes entry {part!r} repeats a size")
+        out[arm] = sorted(listed, key=parse_size)
+    return out
+
+
+def _rule_tag(coef: float, exp: float) -> str:
+    """Run-id tag of an arm's own rule: a refitted rule gives new run ids, never 'done' old points."""
+    return "-own" + hashlib.sha1(f"{coef!r}:{exp!r}".encode()).hexdigest()[:4]
+
+
 def _set_key(cfg, key: str, text: str) -> None:
     node = cfg
     *parents, leaf = key.split(".")
@@ -160,7 +222,7 @@ def run_config(ladder, arm: str, size: str, seed: int = 0):
     cfg.name = f"{ladder.name}_{arm}_{size}"
     cfg.seed = int(seed)
     cfg.model.vocab_size = int(ladder.data.vocab_size)
-    for key in ("source", "path", "tokenizer", "val_fraction", "max_docs"):
+    for key in ("source", "path", "suffixes", "extra_roots", "tokenizer", "val_fraction", "max_docs"):
         cfg.data[key] = ladder.data[key]
     cfg.data.seq_len, cfg.data.batch_size = int(ladder.seq_len), int(ladder.batch_size)
     cfg.optim.schedule = "external"
@@ -177,19 +239,27 @@ def run_config(ladder, arm: str, size: str, seed: int = 0):
     return cfg
 
 
-JOBS = ("main", "seeds", "repeats", "sweep")
+JOBS = ("main", "shared", "seeds", "repeats", "sweep")
 
 
 def plan_runs(ladder, arms=None, sizes=None, jobs=JOBS) -> list[dict]:
     """The ladder's runs, in training order: main runs size by size (all arms at a size before the
-    next size), then the seed repeats, the same-seed repeats, then the learning-rate sweep."""
+    next size), the shared-rule runs of arms with their own rule, then the seed repeats, the same-seed
+    repeats, then the learning-rate sweep.
+
+    Each run is a dict: run_id, arm, size, seed, repeat, lr_mult, lr_rule ('own' or 'shared'), lr
+    (the peak rate), steps, tokens, counts (`k3.params.count_params`), flops_per_token, branches, cfg.
+    """
     from k3.params import count_params, flops_per_token
 
     all_arms = [a.strip() for a in ladder.arms.split(",") if a.strip()]
-    all_sizes = [s.strip() for s in ladder.sizes.split(",") if s.strip()]
     for a in all_arms:
         if a not in ARMS:
             raise LadderError(f"ladder arm {a!r} unknown; expected one of {', '.join(ARMS)}")
+    shared_sizes = sorted((s.strip() for s in ladder.sizes.split(",") if s.strip()), key=parse_size)
+    own_sizes = parse_arm_sizes(ladder.arm_sizes, all_arms)
+    sizes_of = {a: own_sizes.get(a, shared_sizes) for a in all_arms}
+    all_sizes = sorted({s for v in sizes_of.values() for s in v}, key=parse_size)
     for name, given, known in (("arm", arms, all_arms), ("size", sizes, all_sizes)):
         for x in given or []:
             if x not in known:
@@ -198,40 +268,49 @@ def plan_runs(ladder, arms=None, sizes=None, jobs=JOBS) -> list[dict]:
         if j not in JOBS:
             raise LadderError(f"--jobs: unknown job {j!r}; expected {', '.join(JOBS)}")
     arms = [a for a in all_arms if not arms or a in arms]
-    size_order = sorted(all_sizes, key=lambda s: parse_size(s))
+    rules = parse_lr_rules(ladder.lr_rules, all_arms)
     branches = parse_branches(ladder.branches)
     if branches and branches[-1][0] >= 1 - ladder.decay_frac:
         raise LadderError("every branch must start before the main run's cooldown (start < 1 - decay_frac)")
     tokens_per_step = ladder.seq_len * ladder.batch_size
 
-    def make(arm, size, seed, lr_mult, with_branches, repeat=0):
+    def ranked(count=None):
+        """(arm, size) by rank: every arm's smallest size, then every arm's next one, ...; only the
+        ``count`` smallest sizes of each arm, and only those the --sizes filter lets through."""
+        per_arm = [[(a, s) for s in sizes_of[a][:count]] for a in arms]
+        return [p for rank in itertools.zip_longest(*per_arm) for p in rank if p and (not sizes or p[1] in sizes)]
+
+    def make(arm, size, seed, lr_mult, with_branches, repeat=0, shared=False):
         cfg = run_config(ladder, arm, size, seed)
         counts = count_params(cfg.model)
         n = counts["non_embedding_active_params"]
         steps = max(int(ladder.min_steps), round(ladder.tokens_per_param * n / tokens_per_step))
         tokens = steps * tokens_per_step
-        lr = float(ladder.lr_coef * (6.0 * n * tokens) ** ladder.lr_exp)
-        lr_tag = f"{lr_mult:g}".replace(".", "p")
+        own = arm in rules and not shared
+        coef, exp = rules[arm] if own else (ladder.lr_coef, ladder.lr_exp)
+        lr = float(coef * (6.0 * n * tokens) ** exp)
+        lr_tag = f"{lr_mult:g}".replace(".", "p") + (_rule_tag(coef, exp) if own else "")
         rep_tag = f"-r{repeat}" if repeat else ""
         return {"run_id": f"{arm}-{size}-s{seed}-lr{lr_tag}{rep_tag}", "arm": arm, "size": size, "seed": seed,
-                "repeat": repeat, "lr_mult": lr_mult, "lr": lr * lr_mult, "steps": steps, "tokens": tokens, "counts": counts,
+                "repeat": repeat, "lr_mult": lr_mult, "lr_rule": "own" if own else "shared", "lr": lr * lr_mult,
+                "steps": steps, "tokens": tokens, "counts": counts,
                 "flops_per_token": flops_per_token(cfg.model, ladder.seq_len, counts),
                 "branches": branches if with_branches else [], "cfg": cfg}
 
     runs = []
     if "main" in jobs:
-        runs += [make(a, s, 0, 1.0, True) for s in size_order if not sizes or s in sizes for a in arms]
-    small = size_order[:int(ladder.seed_sizes)]
+        runs += [make(a, s, 0, 1.0, True) for a, s in ranked()]
+    if "shared" in jobs:
+        runs += [make(a, s, 0, 1.0, False, shared=True) for a, s in ranked() if a in rules]
+    small = ranked(int(ladder.seed_sizes))
     if "seeds" in jobs:
         seeds = [int(x) for x in _floats(ladder.extra_seeds, "extra_seeds")]
-        runs += [make(a, s, sd, 1.0, False) for s in small if not sizes or s in sizes for a in arms for sd in seeds]
+        runs += [make(a, s, sd, 1.0, False) for a, s in small for sd in seeds]
     if "repeats" in jobs:
-        runs += [make(a, s, 0, 1.0, False, rep) for s in small if not sizes or s in sizes for a in arms
-                 for rep in range(1, int(ladder.repeats) + 1)]
+        runs += [make(a, s, 0, 1.0, False, rep) for a, s in small for rep in range(1, int(ladder.repeats) + 1)]
     if "sweep" in jobs:
         mults = _floats(ladder.lr_sweep, "lr_sweep")
-        runs += [make(a, s, 0, m, False) for s in size_order[:int(ladder.sweep_sizes)]
-                 if not sizes or s in sizes for a in arms for m in mults]
+        runs += [make(a, s, 0, m, False) for a, s in ranked(int(ladder.sweep_sizes)) for m in mults]
     return runs
 
 
@@ -366,7 +445,8 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
         tps = ladder.seq_len * ladder.batch_size * timing[1] / timing[0] if timing[1] > 2 else None
         peak = device_peak_flops()
         rec = {"arm": run["arm"], "size": run["size"], "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
-               "seed": run["seed"], "repeat": run["repeat"], "lr_mult": run["lr_mult"], "lr": run["lr"], "run_id": run["run_id"],
+               "seed": run["seed"], "repeat": run["repeat"], "lr_mult": run["lr_mult"], "lr": run["lr"],
+               "lr_rule": run["lr_rule"], "run_id": run["run_id"],
                "point": name, "is_final": is_final, "tokens": tokens_done, "steps": tokens_done // (
                    ladder.seq_len * ladder.batch_size),
                "tokens_per_param": tokens_done / n, "epochs": tokens_done / data.train.num_tokens,
@@ -474,8 +554,8 @@ def check_epochs(runs: list[dict], train_tokens: int, max_epochs: float) -> None
         raise LadderError(
             f"run {big['run_id']} would read {big['tokens']:,} tokens, {epochs:.2f} passes over the training "
             f"split of {train_tokens:,} tokens, more than the ladder's max_epochs={max_epochs:g}: use fewer "
-            "tokens_per_param or smaller sizes, a larger corpus (data.source='site_packages'), or set "
-            "max_epochs knowingly")
+            "tokens_per_param or smaller sizes, a larger corpus (data.source='site_packages', "
+            "data.suffixes='code', data.extra_roots=...), or set max_epochs knowingly")
 
 
 def main(argv=None) -> int:

@@ -124,6 +124,10 @@ def default_config() -> ConfigDict:
     # distributions' source and docs, for single-epoch scaling runs), 'text_dir', 'jsonl', 'tokens'
     d.source = "stdlib"
     d.path = ""
+    d.suffixes = "python"  # site_packages: k3.data.corpus.SITE_SUFFIX_SETS, 'python' (.py/.pyi/.md/.rst/.txt)
+    # or 'code' (also C/C++/CUDA headers and sources, Cython, Fortran, shell, CMake, ...)
+    d.extra_roots = ""  # site_packages: os.pathsep-separated directories scanned as well, e.g. '/usr/include'
+    # (directories inside site-packages, such as torch/include, are already scanned)
     d.text_field = "text"
     d.tokens_dtype = "uint16"
     d.tokenizer = "bpe"  # 'bpe' (trained locally, cached) or 'byte'
@@ -164,8 +168,9 @@ _CHOICES = {
 }
 
 
-# Keys whose values name an entry of an implementation table (`k3.backends.Table`): the table is
-# the one list of allowed values. (module, attribute) pairs, imported when a config is validated.
+# Keys whose values name an entry of an implementation table (`k3.backends.Table`, or a dict keyed
+# by the allowed values): the table is the one list of allowed values. (module, attribute) pairs,
+# imported when a config is validated.
 _TABLES = {
     "model.kda.impl": ("k3.kda.ops", "KDA_CORES"),
     "model.kda.conv_impl": ("k3.kda.layer", "CONV_BACKENDS"),
@@ -175,6 +180,7 @@ _TABLES = {
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
     "model.attn_res_impl": ("k3.attn_res", "MIX_BACKENDS"),
     "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
+    "data.suffixes": ("k3.data.corpus", "SITE_SUFFIX_SETS"),
 }
 
 
@@ -189,7 +195,8 @@ def _choices(key: str):
     if key in _CHOICES:
         return _CHOICES[key]
     if key in _TABLES:
-        return _choices_table(key).choices()
+        table = _choices_table(key)
+        return tuple(table) if isinstance(table, dict) else table.choices()
     return None
 
 
@@ -304,6 +311,11 @@ def validate(cfg: ConfigDict) -> ConfigDict:
                           f"top_k + {extra} <= n_experts, got top_k={m.moe.top_k}, n_experts={m.moe.n_experts}")
     if m.mla.use_rope and m.mla.qk_rope_dim % 2:
         raise ConfigError(f"model.mla.qk_rope_dim must be even for RoPE, got {m.mla.qk_rope_dim}")
+    for key, unset in (("suffixes", "python"), ("extra_roots", "")):
+        # The other sources have their own file rules; a knob they would ignore is a config mistake.
+        if cfg.data[key] != unset and cfg.data.source != "site_packages":
+            raise ConfigError(f"data.{key}={cfg.data[key]!r} only applies to data.source='site_packages', "
+                              f"got data.source={cfg.data.source!r}")
     if cfg.data.seq_len <= 0 or cfg.data.batch_size <= 0:
         raise ConfigError("data.seq_len and data.batch_size must be > 0")
     if cfg.optim.grad_accum <= 0 or cfg.data.batch_size % cfg.optim.grad_accum:

@@ -1,4 +1,5 @@
-"""Tests of the 'site_packages' corpus: drop rules, content deduplication, determinism, split, errors.
+"""Tests of the 'site_packages' corpus: drop rules, content deduplication, determinism, split, errors,
+suffix sets and extra roots.
 
 All but the slow test scan synthetic site-packages trees built under ``tmp_path``.
 """
@@ -15,16 +16,20 @@ import pytest
 from experiments.corpus_stats import OTHER_SOURCE_SUFFIXES, corpus_stats, other_source_bytes
 from k3.config import ConfigError, default_config, validate
 from k3.data import DataError, prepare_data
+from k3.data import corpus as corpus_lib
 from k3.data.corpus import (
     SITE_DROP_RULES,
     SITE_MAX_FILE_BYTES,
     SITE_MAX_LINE_CHARS,
+    SITE_PACKAGES_SUFFIXES,
+    SITE_SUFFIX_SETS,
     SearchPath,
     list_site_packages_files,
     list_text_files,
     load_text_corpus,
     scan_site_packages,
     site_packages_roots,
+    site_suffixes,
 )
 
 # Kept by every rule: short lines, printable UTF-8, small, unique content.
@@ -198,12 +203,18 @@ def test_config_accepts_site_packages_and_keeps_stdlib_default():
         validate(cfg)
 
 
-def test_prepare_data_builds_and_reuses_the_cache(site, tmp_path):
+def _byte_site_cfg(path, val_fraction):
+    """A config reading the site-packages corpus at ``path`` with byte tokens, 16-token rows of 2."""
     cfg = default_config()
     cfg.model.vocab_size = 260
     d = cfg.data
     d.source, d.path, d.tokenizer, d.val_fraction, d.seq_len, d.batch_size = \
-        "site_packages", str(site), "byte", 0.3, 16, 2
+        "site_packages", str(path), "byte", val_fraction, 16, 2
+    return cfg
+
+
+def test_prepare_data_builds_and_reuses_the_cache(site, tmp_path):
+    cfg = _byte_site_cfg(site, 0.3)
     wd = tmp_path / "wd"
     first = prepare_data(cfg, wd)
     assert not first.meta["cache_hit"]
@@ -232,6 +243,173 @@ def test_corpus_stats_sizes_other_source_files(tmp_path):
     assert list(found) == [".cu", ".h"]  # largest first
 
 
+def _fresh(kind: str) -> str:
+    """Source text unique to this call, so no two files of a test are content duplicates by chance."""
+    tag = os.urandom(8).hex()
+    if kind == "c":
+        return f"/* {tag} */\nstatic int f_{tag}(int x) {{\n    return x + 1;\n}}\n"
+    return f"# {tag}\ndef f_{tag}(x):\n    return x + 1\n"
+
+
+# One file per family of the 'code' set that 'python' does not read, and files neither set reads.
+CODE_ONLY = ("pkg/include/pkg/api.h", "pkg/csrc/kernel.cu", "pkg/csrc/ops.cpp", "pkg/csrc/ops.cuh",
+             "pkg/_fast.pyx", "pkg/solver.F90", "pkg/build.sh", "pkg/cmake/pkgConfig.cmake")
+NEITHER = ("pkg/data.json", "pkg/conf.yaml", "pkg/table.csv", "pkg/include/UPPER.HPP")
+
+
+@pytest.fixture
+def code_site(tmp_path):
+    root = tmp_path / "site-packages"
+    _write(root, {rel: _fresh("c" if not rel.endswith(".py") else "py")
+                  for rel in ("pkg/__init__.py", *CODE_ONLY, *NEITHER)})
+    return root
+
+
+def test_suffix_sets_table():
+    assert SITE_SUFFIX_SETS["python"] == SITE_PACKAGES_SUFFIXES == site_suffixes("python")
+    code = site_suffixes("code")
+    assert set(SITE_PACKAGES_SUFFIXES) < set(code) and len(set(code)) == len(code)
+    assert {".h", ".hpp", ".cu", ".cuh", ".cpp", ".c", ".pyx", ".pxd", ".f90", ".sh", ".cmake", ".td"} <= set(code)
+    assert not {".json", ".yaml", ".yml", ".csv", ".toml"} & set(code)
+
+
+def test_code_set_reads_sources_the_python_set_ignores(code_site):
+    _, py_files, py_stats = scan_site_packages(code_site)
+    assert py_files == ["pkg/__init__.py"] and py_stats["files_seen"] == 1
+    _, code_files, code_stats = scan_site_packages(code_site, "code")
+    assert code_files == sorted(["pkg/__init__.py", *CODE_ONLY])  # case-sensitive: UPPER.HPP is not read
+    assert code_stats["files_seen"] == code_stats["files_kept"] == len(code_files)
+    # The default stays 'python', through list_text_files and load_text_corpus as well.
+    assert list_text_files("site_packages", str(code_site))[1] == py_files
+    c = load_text_corpus("site_packages", str(code_site), suffixes="code", val_fraction=0.0)
+    assert c.doc_names() == code_files
+    assert next(iter(c.iter_texts())).startswith("# ")
+
+
+def test_code_files_meet_the_drop_rules_and_dedup_across_extra_roots(tmp_path, monkeypatch):
+    site, extra = tmp_path / "site-packages", tmp_path / "usr-include"
+    header = _fresh("c")
+    _write(site, {
+        "pkg/include/common.h": header,  # same bytes as the extra root's common.h, sorted after it
+        "pkg/include/shared.h": _fresh("c"),  # same path in the extra root: shadowed there
+        "pkg/include/min.h": "int a[] = {" + "1," * SITE_MAX_LINE_CHARS + "};\n",
+        "pkg/LICENSE.cuh": _fresh("c"),
+        "pkg/empty.cc": "",
+        "pkg/blob.c": b"\x00\x01binary\x02",
+        "pkg/mod.py": _fresh("py"),
+    })
+    _write(extra, {"common.h": header, "pkg/include/shared.h": _fresh("c"), "zlib.h": _fresh("c")})
+    # The site-packages directory of this Python, so extra_roots are added to the default roots.
+    monkeypatch.setattr(corpus_lib, "site_packages_roots", lambda: [site.resolve()])
+    root, files, stats = scan_site_packages(suffixes="code", extra_roots=[extra])
+    assert list(root) == sorted([site.resolve(), extra.resolve()])
+    assert files == ["common.h", "pkg/include/shared.h", "pkg/mod.py", "zlib.h"]
+    expected = dict.fromkeys(SITE_DROP_RULES, 0)
+    expected.update(duplicate=1, shadowed=1, long_line=1, legal=1, empty=1, binary=1)
+    assert stats["dropped"] == expected
+    first = sorted([site.resolve(), extra.resolve()])[0]
+    c = load_text_corpus("site_packages", listing=(root, files), val_fraction=0.0)
+    texts = dict(zip(c.doc_names(), c.iter_texts()))
+    assert texts["common.h"] == header
+    assert texts["pkg/include/shared.h"] == (first / "pkg/include/shared.h").read_text()
+    # The same scan through the config-level string form.
+    assert list_text_files("site_packages", suffixes="code", extra_roots=str(extra)) == (root, files)
+    assert list_text_files("site_packages", suffixes="code", extra_roots=f"{extra}{os.pathsep}") == (root, files)
+
+
+def test_code_scan_is_deterministic_and_splits_stay_put(tmp_path):
+    site, extra = tmp_path / "site", tmp_path / "extra"
+    _write(site, {f"pkg/src/f{i:02d}.{suf}": _fresh("c") for i in range(12) for suf in ("h", "cpp")})
+    _write(extra, {f"lib/g{i:02d}.h": _fresh("c") for i in range(12)})
+    first = scan_site_packages(site, "code", [extra])
+    assert scan_site_packages(site, "code", [extra]) == first
+    assert scan_site_packages([site], "code", [str(extra), extra]) == first
+    before = load_text_corpus("site_packages", listing=first[:2], val_fraction=0.4)
+    # More files, in a new root and beside the old ones: every earlier file keeps its split.
+    _write(tmp_path / "more", {f"more/h{i:02d}.cuh": _fresh("c") for i in range(12)})
+    _write(site, {f"pkg/src/a{i:02d}.cc": _fresh("c") for i in range(6)})
+    after_scan = scan_site_packages(site, "code", [extra, tmp_path / "more"])
+    after = load_text_corpus("site_packages", listing=after_scan[:2], val_fraction=0.4)
+    split_after = dict(zip(after.doc_names(), after.is_val))
+    assert before.is_val.any() and not before.is_val.all()
+    assert {n: split_after[n] for n in before.doc_names()} == dict(zip(before.doc_names(), before.is_val))
+
+
+def test_suffix_set_and_extra_root_errors(tmp_path, code_site):
+    with pytest.raises(DataError, match=r"data.suffixes='cpp'.*'python', 'code'"):
+        scan_site_packages(code_site, "cpp")
+    with pytest.raises(DataError, match="data.suffixes='Code'"):
+        list_text_files("site_packages", str(code_site), suffixes="Code")
+    missing = tmp_path / "no-such-include"
+    with pytest.raises(DataError, match="no-such-include.*data.extra_roots"):
+        scan_site_packages(code_site, "code", [missing])
+    with pytest.raises(DataError, match="no-such-include"):
+        list_text_files("site_packages", str(code_site), extra_roots=f"{code_site}{os.pathsep}{missing}")
+    with pytest.raises(DataError, match="data.extra_roots.*'site_packages', not 'text_dir'"):
+        list_text_files("text_dir", str(code_site), extra_roots=str(code_site))
+    with pytest.raises(DataError, match="data.suffixes='code'.*not 'stdlib'"):
+        load_text_corpus("stdlib", suffixes="code")
+
+
+def test_config_validates_suffixes_and_extra_roots():
+    cfg = default_config()
+    assert cfg.data.suffixes == "python" and cfg.data.extra_roots == ""
+    cfg.data.source, cfg.data.suffixes, cfg.data.extra_roots = "site_packages", "code", "/usr/include"
+    validate(cfg)
+    cfg.data.suffixes = "cpp"
+    with pytest.raises(ConfigError, match=r"data.suffixes must be one of \('python', 'code'\)"):
+        validate(cfg)
+    cfg.data.suffixes = "code"
+    cfg.data.source = "text_dir"
+    with pytest.raises(ConfigError, match="data.suffixes='code'.*data.source='text_dir'"):
+        validate(cfg)
+    cfg.data.suffixes = "python"
+    with pytest.raises(ConfigError, match="data.extra_roots='/usr/include'.*data.source='text_dir'"):
+        validate(cfg)
+
+
+def test_prepare_data_rebuilds_the_cache_when_suffixes_or_extra_roots_change(code_site, tmp_path):
+    cfg = _byte_site_cfg(code_site, 0.0)
+    d = cfg.data
+    wd = tmp_path / "wd"
+
+    def tokens(prep):
+        return prep.train.num_tokens + prep.val.num_tokens
+
+    py = prepare_data(cfg, wd)
+    # A default fingerprint has neither key, so caches written before the knobs existed still match.
+    assert not py.meta["cache_hit"] and not {"suffixes", "extra_roots"} & set(py.meta["fingerprint"])
+    assert tokens(py) == len((code_site / "pkg/__init__.py").read_bytes()) + 1
+    d.suffixes = "code"
+    code = prepare_data(cfg, wd)
+    assert not code.meta["cache_hit"] and code.meta["fingerprint"]["suffixes"] == "code"
+    assert tokens(code) == sum(len((code_site / r).read_bytes()) + 1 for r in ("pkg/__init__.py", *CODE_ONLY))
+    assert prepare_data(cfg, wd).meta["cache_hit"]
+    extra = tmp_path / "extra"
+    _write(extra, {"x.h": _fresh("c")})
+    d.extra_roots = str(extra)
+    assert not prepare_data(cfg, wd).meta["cache_hit"]
+    assert prepare_data(cfg, wd).meta["cache_hit"]
+    d.suffixes, d.extra_roots = "python", ""
+    back = prepare_data(cfg, wd)
+    assert not back.meta["cache_hit"] and tokens(back) == tokens(py)
+
+
+def test_corpus_stats_by_suffix_with_code_set(code_site, tmp_path):
+    extra = tmp_path / "extra"
+    _write(extra, {"big.h": _fresh("c") * 10})
+    out = corpus_stats("site_packages", str(code_site), 0.0, "code", str(extra))
+    assert out["suffixes"] == "code" and len(out["roots"]) == 2
+    by = out["kept_by_suffix"]
+    assert sum(n for n, _ in by.values()) == out["files_kept"] == len(CODE_ONLY) + 2
+    assert sum(b for _, b in by.values()) == out["bytes_kept"]
+    assert list(by)[0] == ".h" and by[".h"][0] == 2
+    assert [b for _, b in by.values()] == sorted((b for _, b in by.values()), reverse=True)
+    # Sized only where the chosen set does not read: the data files, not the sources it kept.
+    assert set(out["other_source_bytes"]) == {".json", ".yaml"}
+    assert ".h" in corpus_stats("site_packages", str(code_site), 0.0)["other_source_bytes"]
+
+
 def test_site_packages_roots_of_this_python():
     roots = site_packages_roots()
     assert roots == sorted(set(roots)) and all(r.is_dir() and r.is_absolute() for r in roots)
@@ -244,3 +422,13 @@ def test_real_site_packages_scan():
     assert files == sorted(files) and len(files) == stats["files_kept"] > 100
     assert "numpy/__init__.py" in files
     assert not any(".dist-info/" in f for f in files)
+
+
+def test_corpus_stats_cli_bad_root_exits_2(tmp_path, capsys):
+    from experiments.corpus_stats import main
+
+    missing = tmp_path / "no_such_dir"
+    assert main([f"--path={tmp_path}", f"--extra_roots={missing}"]) == 2
+    err = capsys.readouterr().err
+    assert "extra root" in err and str(missing) in err
+    assert not missing.exists()

@@ -461,3 +461,47 @@ def test_report_prints_the_lr_rule_table():
     text = F.format_report(report)
     assert "| k3 | 0.9 | -0.11 | 1.00e+14: 0.026; 1.00e+15: 0.02 (outside) |" in text
     assert "| k2 | | | skipped:" in text
+    assert '`lr_rules = "k3=0.9:-0.11"`' in text
+
+
+def test_own_rule_points_give_the_headline_and_shared_rule_points_the_comparison(tmp_path):
+    """With k3 trained at its own rule as well as at the shared one, the headline fits take k3's
+    own-rule points (a multiplier of 3 planted) and the shared-rule comparison takes the others (2);
+    k2, with no rule of its own, is the same baseline in both. Same-seed runs at two rules are not
+    pooled into the noise estimate."""
+    recs = F.load_points(_write_results(str(tmp_path / "res"), sizes=SIZES[:3], branches=False, lr_sweep=False))
+    for r in [r for r in recs if r["arm"] == "k3" and F.is_seed0(r) and r["is_final"]]:
+        # k3 at its own rule reaches the baseline's loss at a third (not a half) of its compute
+        own = dict(r, run_id=r["run_id"] + "-own1234", lr_rule="own", lr_mult=1.0)
+        own["val_loss"] = LAW_A * (3.0 * r["flops_6N"]) ** -LAW_ALPHA
+        recs.append(own)
+    report = F.build_report(recs, n_boot=20, sigma=1e-3, chinchilla_starts=1)
+    body = report["conventions"]["6N"]
+    assert body["fits"]["k3"]["lr_rule"] == "own" and body["fits"]["k2"]["lr_rule"] == "shared"
+    assert body["comparisons"]["k3"]["shared_alpha"]["M"] == pytest.approx(3.0, rel=2e-2)
+    assert body["comparisons_shared_rule"]["k3"]["shared_alpha"]["M"] == pytest.approx(2.0, rel=2e-2)
+    text = F.format_report(report)
+    assert "At the shared learning-rate rule" in text and "| k3 | own |" in text
+    assert "Learning-rate rules differ: k3 at its own rule, k2 at the shared rule." in text
+    sigma, info = F.estimate_sigma(recs)
+    assert sigma == pytest.approx(POOLED_SIGMA, rel=1e-9) and info["n_groups"] == 2
+    # Without any shared-rule point of k3, the shared-rule comparison says why it is missing.
+    only_own = [r for r in recs if not (r["arm"] == "k3" and F.lr_rule_of(r) == "shared")]
+    shared = F.build_report(only_own, n_boot=5, sigma=1e-3, chinchilla_starts=1)["conventions"]["6N"]
+    assert shared["comparisons_shared_rule"]["k3"] == {"skipped": "0 shared-rule size(s); needs 2"}
+    assert "| k3 | skipped: 0 shared-rule size(s)" in F.format_report(
+        F.build_report(only_own, n_boot=5, sigma=1e-3, chinchilla_starts=1))
+    # Only shared-rule points: no second comparison.
+    plain = [r for r in recs if F.lr_rule_of(r) == "shared"]
+    assert "comparisons_shared_rule" not in F.build_report(plain, n_boot=5, sigma=1e-3,
+                                                           chinchilla_starts=1)["conventions"]["6N"]
+
+
+def test_fitted_rule_setting_is_what_the_runner_parses():
+    from experiments.run_ladder import parse_lr_rules
+
+    rules = {"k2": {"coef": 1.2345678, "exp": -0.0987654, "sizes": []}, "k3": {"coef": 0.5, "exp": -0.1, "sizes": []},
+             "k2+attn_res": {"skipped": "no sweep"}}
+    setting = F.lr_rules_setting(rules)
+    assert setting == "k2=1.23457:-0.0987654;k3=0.5:-0.1"
+    assert parse_lr_rules(setting, ["k2", "k3"]) == {"k2": (1.23457, -0.0987654), "k3": (0.5, -0.1)}

@@ -86,6 +86,80 @@ def test_plan_micro_ladder_order_ids_and_tokens():
     assert rl.config_hash(rl.plan_runs(lad)[0], lad) != h0
 
 
+def test_per_arm_rules_set_own_rates_ids_and_shared_rule_runs():
+    """An arm with its own rule trains main, seed and sweep runs at coef * (6ND)^exp (ids tagged with
+    the rule), the 'shared' job trains it again at the shared rule under the plain ids, and an arm
+    without a rule is planned exactly as before."""
+    plain = {r["run_id"]: r for r in rl.plan_runs(rl.load_ladder(MICRO))}
+    lad = rl.load_ladder(MICRO)
+    lad.lr_rules = "k3=0.5:-0.1"
+    runs = rl.plan_runs(lad)
+    tag = rl._rule_tag(0.5, -0.1)
+    for r in runs:
+        n = r["counts"]["non_embedding_active_params"]
+        if r["arm"] == "k2":
+            assert r["lr_rule"] == "shared" and r["lr"] == plain[r["run_id"]]["lr"]
+        elif r["lr_rule"] == "own":
+            assert tag in r["run_id"]
+            assert r["lr"] == pytest.approx(r["lr_mult"] * 0.5 * (6 * n * r["tokens"]) ** -0.1)
+        else:  # the shared-rule copy of a k3 main run: the plain id and rate, no branches
+            assert r["run_id"] in plain and r["lr"] == plain[r["run_id"]]["lr"] and r["branches"] == []
+    ids = [r["run_id"] for r in runs]
+    assert ids[:2] == ["k2-32x2-s0-lr1", f"k3-32x2-s0-lr1{tag}"]
+    assert [i for i in ids if i.startswith("k3") and tag not in i] == ["k3-32x2-s0-lr1", "k3-64x2-s0-lr1",
+                                                                       "k3-96x2-s0-lr1"]
+    assert f"k3-32x2-s0-lr0p5{tag}" in ids and f"k3-32x2-s0-lr1{tag}-r1" in ids
+    # A refitted rule gives new run ids, so old points never count as done for it.
+    lad.lr_rules = "k3=0.6:-0.1"
+    assert f"k3-32x2-s0-lr1{tag}" not in [r["run_id"] for r in rl.plan_runs(lad, jobs=["main"])]
+    assert rl.plan_runs(lad, jobs=["shared"], arms=["k2"]) == []
+
+
+def test_arm_sizes_give_an_arm_its_own_shapes_in_rank_order():
+    lad = rl.load_ladder(MICRO)
+    lad.arm_sizes = "k3=64x4,32x4"
+    runs = rl.plan_runs(lad)
+    ids = [r["run_id"] for r in runs]
+    assert ids[:5] == ["k2-32x2-s0-lr1", "k3-32x4-s0-lr1", "k2-64x2-s0-lr1", "k3-64x4-s0-lr1", "k2-96x2-s0-lr1"]
+    # seeds, repeats and the sweep take each arm's own smallest sizes
+    assert ids[5:] == ["k2-32x2-s1-lr1", "k3-32x4-s1-lr1", "k2-32x2-s0-lr1-r1", "k3-32x4-s0-lr1-r1",
+                       "k2-32x2-s0-lr0p5", "k3-32x4-s0-lr0p5"]
+    assert runs[1]["cfg"].model.n_layers == 4 and runs[1]["cfg"].model.d_model == 32
+    assert [r["run_id"] for r in rl.plan_runs(lad, sizes=["64x4"])] == ["k3-64x4-s0-lr1"]
+    with pytest.raises(rl.LadderError, match="'128x4' is not in the ladder's sizes"):
+        rl.plan_runs(lad, sizes=["128x4"])
+
+
+@pytest.mark.parametrize("key, text, message", [
+    ("arm_sizes", "k9=32x2", "arm 'k9', which is not in the ladder's arms"),
+    ("arm_sizes", "k3", "is not 'arm=SIZE,SIZE,...'"),
+    ("arm_sizes", "k3=32x2;k3=64x2", "gives arm 'k3' twice"),
+    ("arm_sizes", "k3=32x2,32x2", "repeats a size"),
+    ("arm_sizes", "k3=32", "not 'D_MODELxN_LAYERS'"),
+    ("lr_rules", "k9=1:-0.1", "arm 'k9', which is not in the ladder's arms"),
+    ("lr_rules", "k3=1", "is not 'arm=coef:exp'"),
+    ("lr_rules", "k3", "is not 'arm=coef:exp'"),
+    ("lr_rules", "k3=0:-0.1", "coef must be a positive number"),
+    ("lr_rules", "k3=1:-0.1; k3=2:-0.1", "gives arm 'k3' twice"),
+])
+def test_bad_arm_sizes_and_lr_rules_name_the_problem(key, text, message):
+    lad = rl.load_ladder(MICRO)
+    lad[key] = text
+    with pytest.raises(rl.LadderError, match=message):
+        rl.plan_runs(lad)
+
+
+def test_lr_rules_through_the_command_line(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--dry_run", "--jobs=main,shared",
+                    "--set=lr_rules=k2=0.4:-0.12;k3=0.5:-0.1"]) == 0
+    text = capsys.readouterr().out
+    assert "12 runs, 0 done, 12 to train" in text and rl._rule_tag(0.4, -0.12) in text
+    assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--dry_run", "--set=lr_rules=k2=x"]) == 2
+    assert "is not 'arm=coef:exp'" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_mechanism_arms_swap_one_piece_each():
     from experiments.configs.ladder import arm_config
 
@@ -257,3 +331,25 @@ def test_runner_refuses_a_ladder_that_would_repeat_data(tmp_path, capsys):
     assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--jobs=main", "--set=tokens_per_param=1000"]) == 2
     assert "passes over the training split" in capsys.readouterr().err
     assert not (out / "runs").exists() and not list(out.glob("points*.jsonl"))
+
+
+def test_single_epoch_bpe_ladder_spans_the_planned_compute():
+    """experiments/configs/ladder_1e16.py: 5 sizes per main arm over >= 30x in compute up to >= 1e16
+    FLOPs (6ND), depth growing with width, a x0.5..x4 sweep at 3 sizes per arm, 3 sizes per mechanism
+    arm, no data repetition allowed."""
+    lad = rl.load_ladder("experiments/configs/ladder_1e16.py")
+    assert lad.max_epochs == 1.0 and lad.data.tokenizer == "bpe" and 16384 <= lad.data.vocab_size <= 32768
+    runs = rl.plan_runs(lad)
+    main = [r for r in runs if r["run_id"].endswith("-s0-lr1") and r["branches"]]
+    for arm in ("k2", "k3"):
+        rs = [r for r in main if r["arm"] == arm]
+        C = [6 * r["counts"]["non_embedding_active_params"] * r["tokens"] for r in rs]
+        shapes = [rl.parse_size(r["size"]) for r in rs]
+        assert len(rs) == 5 and max(C) >= 1e16 and max(C) / min(C) >= 30, (arm, C)
+        assert C == sorted(C) and [s[1] for s in shapes] == sorted(s[1] for s in shapes)
+        for r in rs:
+            assert r["tokens"] == pytest.approx(20 * r["counts"]["non_embedding_active_params"], rel=0.01)
+        swept = {(r["size"], r["lr_mult"]) for r in runs if r["arm"] == arm and r["lr_mult"] != 1}
+        assert swept == {(s, m) for s in [r["size"] for r in rs][:3] for m in (0.5, 2.0, 4.0)}
+    for arm in ("k2+kda_hybrid", "k2+attn_res", "k2+latent_moe_qb"):
+        assert len([r for r in main if r["arm"] == arm]) == 3

@@ -141,6 +141,19 @@ def list_stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
 # Site-packages: the source and docs of every installed distribution.
 
 SITE_PACKAGES_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
+# Named suffix sets of the site-packages corpus (``data.suffixes``). 'code' adds the hand-written
+# source of the compiled side of the installed packages (and of extra roots such as /usr/include):
+# C, C++ and CUDA sources and headers (.inl/.ipp/.tcc: template implementation headers), Cython,
+# Fortran (upper-case suffixes are the preprocessed forms), shell, CMake, protobuf and LLVM TableGen.
+# Not data or configuration (.json, .yaml, .csv ...) nor mostly generated text (.inc, .def, .ll, .s).
+SITE_SUFFIX_SETS = {
+    "python": SITE_PACKAGES_SUFFIXES,
+    "code": SITE_PACKAGES_SUFFIXES + (
+        ".h", ".hh", ".hpp", ".hxx", ".inl", ".ipp", ".tcc", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh",
+        ".pyx", ".pxd", ".pxi", ".f", ".for", ".f77", ".f90", ".f95", ".F", ".F90",
+        ".sh", ".bash", ".cmake", ".proto", ".td",
+    ),
+}
 SITE_MAX_FILE_BYTES = 1 << 20
 SITE_MAX_LINE_CHARS = 1000
 SITE_MAX_CONTROL_FRACTION = 0.01
@@ -196,9 +209,25 @@ def site_packages_roots() -> list[Path]:
     return sorted({Path(c).resolve() for c in candidates if Path(c).is_dir()})
 
 
-def _site_candidates(roots: list[Path]) -> list[tuple[str, int]]:
-    """(relative POSIX path, root index) of every non-hidden file with a site-packages suffix,
-    sorted by path then root."""
+def site_suffixes(name: str) -> tuple[str, ...]:
+    """The file-name suffixes of the named set of :data:`SITE_SUFFIX_SETS`.
+
+    Args:
+      name: a key of :data:`SITE_SUFFIX_SETS` ('python', 'code').
+    Returns:
+      A tuple of suffixes, each with its leading dot.
+    Raises:
+      DataError: ``name`` is not a key; the message names it and the valid ones.
+    """
+    if name not in SITE_SUFFIX_SETS:
+        raise DataError(f"unknown site-packages suffix set data.suffixes={name!r}; valid sets are "
+                        f"{', '.join(map(repr, SITE_SUFFIX_SETS))}")
+    return SITE_SUFFIX_SETS[name]
+
+
+def _site_candidates(roots: list[Path], suffixes: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(relative POSIX path, root index) of every non-hidden file whose name ends in one of
+    ``suffixes``, sorted by path then root."""
     others = set(roots)
     out = []
     for ri, root in enumerate(roots):
@@ -209,7 +238,7 @@ def _site_candidates(roots: list[Path]) -> list[tuple[str, int]]:
                            and (here / d) not in others]
             rel_dir = here.relative_to(root)
             for name in filenames:
-                if not name.startswith(".") and name.endswith(SITE_PACKAGES_SUFFIXES):
+                if not name.startswith(".") and name.endswith(suffixes):
                     out.append(((rel_dir / name).as_posix(), ri))
     return sorted(out)
 
@@ -254,12 +283,20 @@ def _site_drop_rule(path: Path, rel: str, seen_hashes: set[bytes]) -> tuple[str 
     return None, size
 
 
-def scan_site_packages(roots=None) -> tuple[SearchPath, list[str], dict]:
+def _as_dir_list(dirs) -> list:
+    """A str or path-like as a one-item list, any other iterable of them as a list."""
+    return [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
+
+
+def scan_site_packages(roots=None, suffixes: str = "python", extra_roots=()) -> tuple[SearchPath, list[str], dict]:
     """Lists the site-packages corpus and counts what its drop rules removed.
 
-    Every file under the roots whose name ends in :data:`SITE_PACKAGES_SUFFIXES` is *seen* (hidden
-    files and directories and ``__pycache__`` are not walked). Files are visited in sorted relative
-    path order (then root order), and the first rule that matches drops a file:
+    Every file under the roots whose name ends in one of the suffixes of the set ``suffixes`` (see
+    :data:`SITE_SUFFIX_SETS`) is *seen* (hidden files and directories and ``__pycache__`` are not
+    walked). Suffixes match case-sensitively: on the file systems these trees live on the case is
+    part of the name and can carry meaning (Fortran's ``.F`` is preprocessed, ``.f`` is not), so a
+    set lists each case it wants. Files are visited in sorted relative path order (then root order),
+    and the first rule that matches drops a file:
 
     - ``shadowed``: a later root holds the same relative path again (only the first copy is read,
       as ``import`` would);
@@ -276,34 +313,47 @@ def scan_site_packages(roots=None) -> tuple[SearchPath, list[str], dict]:
       the one first in sorted order is kept.
 
     Args:
-      roots: directories to scan (str or path-like), or None for :func:`site_packages_roots`. They
-        are resolved, deduplicated and sorted, so the result does not depend on their order.
+      roots: directories to scan (str or path-like), or None for :func:`site_packages_roots`.
+      suffixes: the name of a suffix set of :data:`SITE_SUFFIX_SETS`: 'python' (source, stubs and
+        docs) or 'code' (also C/C++/CUDA, Cython, Fortran, shell, CMake ... sources).
+      extra_roots: directories (str or path-like) scanned in addition to ``roots`` (or to the
+        site-packages directories), e.g. ``/usr/include``. All roots together are resolved,
+        deduplicated and sorted, so the result does not depend on their order; a root inside
+        another is walked once, as itself (its files are named relative to it).
     Returns:
       ``(root, files, stats)``: a :class:`SearchPath` of the roots; the kept relative POSIX paths,
       sorted; and a JSON-ready dict with ``roots`` (list of str), ``files_seen``, ``files_kept``,
       ``bytes_seen``, ``bytes_kept``, ``duplicates`` (int), and ``dropped`` / ``dropped_bytes``
       (rule -> int, every rule of :data:`SITE_DROP_RULES` present).
     Raises:
-      DataError: a given root is not a directory, or there is no root at all.
+      DataError: an unknown suffix set, a given root or extra root that is not a directory, or no
+        root at all.
     """
+    names = site_suffixes(suffixes)
     if roots is None:
         dirs = site_packages_roots()
         if not dirs:
             raise DataError("no site-packages directory found for this Python (site.getsitepackages(), "
                             "sysconfig purelib/platlib)")
     else:
-        roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+        roots = _as_dir_list(roots)
         if not roots:
             raise DataError("data.source='site_packages' was given an empty list of directories")
         for r in roots:
             if not Path(r).expanduser().is_dir():
                 raise DataError(f"site-packages directory {str(r)!r} does not exist or is not a directory "
                                 "(data.source='site_packages')")
-        dirs = sorted({Path(r).expanduser().resolve() for r in roots})
+        dirs = [Path(r).expanduser().resolve() for r in roots]
+    extra = [r for r in _as_dir_list(extra_roots) if str(r)]  # '' is the unset config value, not '.'
+    for r in extra:
+        if not Path(r).expanduser().is_dir():
+            raise DataError(f"extra root {str(r)!r} does not exist or is not a directory (data.extra_roots, "
+                            "data.source='site_packages')")
+    dirs = sorted({*dirs, *(Path(r).expanduser().resolve() for r in extra)})
     dropped = dict.fromkeys(SITE_DROP_RULES, 0)
     dropped_bytes = dict.fromkeys(SITE_DROP_RULES, 0)
     kept, seen_hashes, bytes_seen, bytes_kept, previous = [], set(), 0, 0, None
-    candidates = _site_candidates(dirs)
+    candidates = _site_candidates(dirs, names)
     for rel, ri in candidates:
         if rel == previous:
             rule, size = "shadowed", _file_size(dirs[ri] / rel) or 0
@@ -325,13 +375,18 @@ def scan_site_packages(roots=None) -> tuple[SearchPath, list[str], dict]:
     return SearchPath(dirs), kept, stats
 
 
-def list_site_packages_files(roots=None) -> tuple[SearchPath, list[str]]:
+def list_site_packages_files(roots=None, suffixes: str = "python", extra_roots=()) -> tuple[SearchPath, list[str]]:
     """The site-packages corpus: ``(root, files)`` of :func:`scan_site_packages`, without the stats.
 
     Reads every candidate file once (drop rules, content hashes); the list depends on what is
     installed, so it differs between machines, but a file keeps its name, and so its split, on all.
+
+    Args:
+      roots, suffixes, extra_roots: as for :func:`scan_site_packages`.
+    Returns:
+      ``(root, files)``: a :class:`SearchPath` of the roots and the kept relative POSIX paths, sorted.
     """
-    root, files, _ = scan_site_packages(roots)
+    root, files, _ = scan_site_packages(roots, suffixes, extra_roots)
     return root, files
 
 
@@ -447,7 +502,8 @@ def _parse_jsonl_line(line: bytes, path: Path, lineno: int, field: str) -> str:
     return text
 
 
-def list_text_files(source: str, path: str = "") -> tuple[Path | SearchPath, list[str]]:
+def list_text_files(source: str, path: str = "", *, suffixes: str = "python",
+                    extra_roots: str = "") -> tuple[Path | SearchPath, list[str]]:
     """The resolved root and sorted relative POSIX paths of a text source's files.
 
     Only 'site_packages' reads the files (its drop rules); the other sources only walk directories.
@@ -456,9 +512,20 @@ def list_text_files(source: str, path: str = "") -> tuple[Path | SearchPath, lis
       source: one of :data:`TEXT_SOURCES`; see :func:`load_text_corpus`. 'stdlib' ignores ``path``;
         'site_packages' reads it as an ``os.pathsep``-separated list of directories to scan instead
         of the running Python's site-packages ('' for those).
+      suffixes: 'site_packages' only (``data.suffixes``): the name of the suffix set of
+        :data:`SITE_SUFFIX_SETS` to read.
+      extra_roots: 'site_packages' only (``data.extra_roots``): ``os.pathsep``-separated directories
+        scanned in addition to the site-packages directories (or to ``path``); '' for none.
+    Returns:
+      ``(root, files)``: the file, directory or :class:`SearchPath` the names are relative to, and
+      the sorted relative POSIX paths.
     Raises:
-      DataError: unknown source, missing path, empty single file, or no matching files.
+      DataError: unknown source or suffix set, missing path or extra root, empty single file, no
+        matching files, or ``suffixes``/``extra_roots`` given with a source other than 'site_packages'.
     """
+    if source != "site_packages" and (suffixes != "python" or extra_roots):
+        raise DataError(f"data.suffixes={suffixes!r} and data.extra_roots={extra_roots!r} only apply to "
+                        f"data.source='site_packages', not {source!r}")
     if source == "stdlib":
         root = stdlib_root()
         files = list_stdlib_files(root)
@@ -467,7 +534,8 @@ def list_text_files(source: str, path: str = "") -> tuple[Path | SearchPath, lis
         return root, files
     if source == "site_packages":
         dirs = [p for p in str(path).split(os.pathsep) if p] if str(path) else None
-        root, files = list_site_packages_files(dirs)
+        extra = [p for p in str(extra_roots).split(os.pathsep) if p]
+        root, files = list_site_packages_files(dirs, suffixes, extra)
         if not files:
             raise DataError(f"no text files left in the site-packages directories {str(root)!r} after the "
                             "drop rules (k3.data.corpus.scan_site_packages)")
@@ -513,14 +581,16 @@ def _decode_text(data: bytes) -> str | None:
 
 
 def load_text_corpus(source: str, path: str = "", *, text_field: str = "text", val_fraction: float = 0.02,
-                     max_docs: int = 0, listing: tuple[Path | SearchPath, list[str]] | None = None) -> TextCorpus:
+                     max_docs: int = 0, listing: tuple[Path | SearchPath, list[str]] | None = None,
+                     suffixes: str = "python", extra_roots: str = "") -> TextCorpus:
     """Lists the documents of a text source and assigns each to train or validation.
 
     Args:
       source: 'stdlib' (``path`` ignored; the running Python's standard library), 'site_packages'
         (the source and docs of every installed distribution after the drop rules of
-        :func:`scan_site_packages`; ``path`` optionally lists the directories, ``os.pathsep``-
-        separated; each file is one document), 'text_dir' (a directory searched recursively for
+        :func:`scan_site_packages`, with ``suffixes`` naming which files are read; ``path``
+        optionally lists the directories, ``os.pathsep``-separated, and ``extra_roots`` adds more;
+        each file is one document), 'text_dir' (a directory searched recursively for
         ``TEXT_SUFFIXES`` files, or a single text file; each file is one document) or 'jsonl' (a
         ``.jsonl`` file or a directory of them; each non-blank line is a JSON object and one
         document, its text under ``text_field``).
@@ -528,13 +598,16 @@ def load_text_corpus(source: str, path: str = "", *, text_field: str = "text", v
       max_docs: when > 0, only the first ``max_docs`` documents (in sorted order) are used, before
         splitting.
       listing: the result of :func:`list_text_files` when the caller already has it.
+      suffixes, extra_roots: 'site_packages' only (``data.suffixes``, ``data.extra_roots``): the
+        suffix set and the ``os.pathsep``-separated extra directories; see :func:`list_text_files`.
     Returns:
       A :class:`TextCorpus`. Empty files and blank JSONL lines are skipped, not counted; 'text_dir'
       files that are not UTF-8 text (`_is_text`) are skipped and counted in a warning on stderr.
     Raises:
       DataError: missing path, no documents, or (JSONL) a line that is not a JSON object.
     """
-    root, files = listing if listing is not None else list_text_files(source, path)
+    root, files = listing if listing is not None else list_text_files(source, path, suffixes=suffixes,
+                                                                      extra_roots=extra_roots)
     limit = max_docs if max_docs > 0 else None
     doc_file, doc_line, names = [], [], []
     if source == "jsonl":

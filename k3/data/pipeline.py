@@ -9,7 +9,8 @@ Preparation (once per workdir, then cached):
   per-document lengths in ``{train,val}_doc_len.npy``.
   'tokens': the user's files stay where they are (memory-mapped); only the document index is cached
   (``tokens_index.npz``). ``meta.json`` records a fingerprint of the source files (path, size,
-  mtime), the split settings and the tokenizer; any change rebuilds the cache.
+  mtime), the split settings, the site-packages suffix set and extra roots (when not at their
+  defaults) and the tokenizer; any change rebuilds the cache.
 
 Batches (numpy, one dict per step), B = ``data.batch_size``, T = ``data.seq_len``::
 
@@ -562,14 +563,14 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
                     "val": {"num_docs": val.num_docs, "num_tokens": val.num_tokens, **_val_text_stats(val, tok)}}
             _write_json_atomic(cache / "meta.json", meta)
     else:
-        listing = corpus_lib.list_text_files(d.source, d.path)
+        listing = corpus_lib.list_text_files(d.source, d.path, suffixes=d.suffixes, extra_roots=d.extra_roots)
         corpus_box = []
 
         def get_corpus():
             if not corpus_box:
                 corpus_box.append(corpus_lib.load_text_corpus(
                     d.source, d.path, text_field=d.text_field, val_fraction=d.val_fraction,
-                    max_docs=d.max_docs, listing=listing))
+                    max_docs=d.max_docs, listing=listing, suffixes=d.suffixes, extra_roots=d.extra_roots))
             return corpus_box[0]
 
         def train_texts():
@@ -585,6 +586,12 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
             "text_field": d.text_field if d.source == "jsonl" else None,
             "tokenizer": tok.fingerprint(), **settings,
         }
+        # Recorded only when not at their defaults, so caches built before these knobs existed stay
+        # valid; any other value gives a fingerprint no default-built cache can match.
+        if d.suffixes != "python":
+            fingerprint["suffixes"] = d.suffixes
+        if d.extra_roots:
+            fingerprint["extra_roots"] = d.extra_roots
         meta = _read_meta(cache)
         hit = meta is not None and meta.get("fingerprint") == fingerprint
         if hit:
