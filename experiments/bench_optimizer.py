@@ -1,6 +1,6 @@
 """Times the optimizer update alone (clip, Muon/AdamW, weight decay, apply) on a model's parameters.
 
-    python -m experiments.bench_optimizer [--models=k2:1024:12,k3:1024:12] [--impls=folded,optax]
+    python -m experiments.bench_optimizer [--models=k2:1024:12,k3:1024:12] [--impls=folded,grouped,optax]
         [--set optim.mu_dtype=bfloat16 ...] [--steps=10] [--profile_dir=DIR] [--json=FILE]
 
 Each model is the train-step benchmark's config (`experiments.bench_train_step.build_config`);
@@ -9,6 +9,8 @@ gradients. The optimizer's cost does not depend on the tokens per step, so at sm
 large share of the step; this separates it. Printed per row:
 
 - ``ms``: median wall time of one jitted update (parameters and state donated);
+- ``dots``: matmuls in the update's program (``dot_general`` equations of its jaxpr): each is at
+  least one GEMM launch, which at small sizes costs more than its FLOPs;
 - ``NS TFLOP``: Newton-Schulz FLOPs per update, 5 steps x (4 m^2 n + 2 m^3) per m x n matrix
   (m <= n), counted from the shapes; ``NS floor ms`` = that over the device's dense bf16 peak;
 - ``bytes floor ms``: parameters, gradients and optimizer state read once and parameters and state
@@ -71,6 +73,7 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
         return (params, opt), optax.global_norm(updates)
 
     state = (params, opt)
+    dots = sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(update)(state, grads).eqns)
     step = jax.jit(update, donate_argnums=0).lower(state, grads).compile()
     mem = step.memory_analysis()
     state, n = step(state, grads)
@@ -81,7 +84,7 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
     moved = 2 * _bytes(state) + _bytes(grads)
     peak, hbm = device_peak_flops(), device_hbm_bandwidth()
     row = {"model": model, "impl": impl, "sets": list(sets), "device": jax.devices()[0].device_kind,
-           "params": sum(x.size for x in jax.tree.leaves(params)), "ms": ms,
+           "params": sum(x.size for x in jax.tree.leaves(params)), "ms": ms, "dots": dots,
            "ms_spread": (max(times) - min(times)) * 1e3, "ns_tflop": ns_flops / 1e12, "bytes_gb": moved / 1e9,
            "ns_floor_ms": ns_flops / peak * 1e3 if peak else None,
            "bytes_floor_ms": moved / hbm * 1e3 if hbm else None,
@@ -99,13 +102,14 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
 
 
 def print_table(rows) -> None:
-    print(f"\n{'model':<12}{'impl':<8}{'params M':>9}{'ms':>9}{'NS TFLOP':>10}{'NS floor ms':>12}"
+    print(f"\n{'model':<12}{'impl':<8}{'params M':>9}{'ms':>9}{'dots':>6}{'NS TFLOP':>10}{'NS floor ms':>12}"
           f"{'bytes GB':>9}{'bytes floor ms':>15}{'floor frac':>11}{'vs first':>9}{'temp GiB':>9}")
     first = {}
     for r in rows:
         first.setdefault(r["model"], r["ms"])
         fmt = lambda v, f: format(v, f) if v is not None else format("n/a", ">" + f.split(".")[0])
-        print(f"{r['model']:<12}{r['impl']:<8}{r['params'] / 1e6:>9.0f}{r['ms']:>9.2f}{r['ns_tflop']:>10.2f}"
+        print(f"{r['model']:<12}{r['impl']:<8}{r['params'] / 1e6:>9.0f}{r['ms']:>9.2f}{r.get('dots', 0):>6}"
+              f"{r['ns_tflop']:>10.2f}"
               f"{fmt(r['ns_floor_ms'], '12.2f')}{r['bytes_gb']:>9.1f}{fmt(r['bytes_floor_ms'], '15.2f')}"
               f"{fmt(r.get('floor_frac'), '11.1%')}{first[r['model']] / r['ms']:>9.2f}{fmt(r.get('temp_gib'), '9.2f')}")
         if "profile" in r:

@@ -109,7 +109,8 @@ def default_config() -> ConfigDict:
     o.qk_clip_tau = 100.0
     o.per_head_muon = False
     o.mu_dtype = "float32"  # first moments (Muon, Adam); 'bfloat16' also runs Newton-Schulz in bf16
-    o.newton_schulz = "folded"  # Muon's iteration: 'folded' (k3.muon, fewer passes) or 'optax' (reference)
+    o.newton_schulz = "folded"  # Muon's iteration: 'folded' (k3.muon, fewer passes), 'grouped' (folded,
+    # small same-shape matrices of several leaves in one batch) or 'optax' (reference)
 
     h = c.mesh = ConfigDict()  # device mesh sizes (k3.sharding); -1 fills the rest; all 1: one device
     h.data = 1
@@ -161,7 +162,6 @@ _CHOICES = {
     "optim.name": ("muon", "adamw"),
     "optim.schedule": ("cosine", "wsd", "external"),
     "optim.mu_dtype": ("float32", "bfloat16"),
-    "optim.newton_schulz": ("folded", "optax"),
     "data.source": ("stdlib", "site_packages", "text_dir", "jsonl", "tokens"),
     "data.tokenizer": ("bpe", "byte"),
     "data.tokens_dtype": ("uint16", "uint32"),
@@ -180,6 +180,7 @@ _TABLES = {
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
     "model.attn_res_impl": ("k3.attn_res", "MIX_BACKENDS"),
     "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
+    "optim.newton_schulz": ("k3.optim", "NEWTON_SCHULZ"),
     "data.suffixes": ("k3.data.corpus", "SITE_SUFFIX_SETS"),
 }
 

@@ -445,7 +445,56 @@ def test_folded_muon_equals_optax_muon_and_shares_its_state(tiny):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-7)
 
 
-def test_bench_optimizer_counts_newton_schulz_flops_and_times_both_impls():
+def test_grouped_newton_schulz_equals_per_leaf_float64():
+    """Leaves of equal matrix shape (in any layout: batched, multi-axis, transposed storage) share one
+    batched chain, a leaf over the size bound and leaves of other shapes stay alone; every output
+    equals that leaf's own `newton_schulz`."""
+    M = optax.contrib.MuonDimensionNumbers
+    cases = [((3, 6, 10), M((1,), (2,))), ((6, 10), M((0,), (1,))), ((2, 3, 2, 10), M((1, 2), (3,))),
+             ((10, 6), M((1,), (0,))), ((5, 10, 6), M((1,), (2,))), ((4, 6, 10), M((1,), (2,))),
+             ((7, 7), M((0,), (1,)))]
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True):
+        xs = [jnp.asarray(rng.standard_normal(shape)) for shape, _ in cases]
+        dims = [d for _, d in cases]
+        ys = muon_lib.newton_schulz_grouped(xs, dims, max_elems=200)
+        for x, d, y in zip(xs, dims, ys):
+            assert y.shape == x.shape and y.dtype == jnp.float64
+            np.testing.assert_allclose(np.asarray(y), np.asarray(muon_lib.newton_schulz(x, d)), rtol=1e-11,
+                                       atol=1e-13)
+        # One chain per group: the four [6, 10] leaves of <= 200 elements (one of them stored
+        # transposed) form one group; the 240-element [6, 10] leaf, the [10, 6] one and [7, 7] run alone.
+        n_dots = lambda f: sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(f)(xs).eqns)
+        grouped = n_dots(lambda xs: muon_lib.newton_schulz_grouped(xs, dims, max_elems=200))
+        alone = n_dots(lambda xs: [muon_lib.newton_schulz(x, d) for x, d in zip(xs, dims)])
+        per_chain = alone // len(xs)
+        assert (alone, grouped) == (7 * per_chain, 4 * per_chain)
+
+
+def test_grouped_muon_equals_folded_muon(tiny):
+    params = tiny[0]
+    common = dict(lr=1e-2, adam_lr=4e-3, warmup_steps=0, weight_decay=0.1, clip_norm=1.0)
+    txs = {ns: optim.build_optimizer(_cfg(steps=10, name="muon", newton_schulz=ns, **common), params)[0]
+           for ns in ("folded", "grouped")}
+    states = {ns: tx.init(params) for ns, tx in txs.items()}
+    assert jax.tree.structure(states["folded"]) == jax.tree.structure(states["grouped"])
+    steps = {ns: _update_fn(tx) for ns, tx in txs.items()}
+    for seed in range(2):
+        grads = _random_like(params, seed=20 + seed)
+        out = {ns: steps[ns](grads, states[ns], params) for ns in txs}
+        for ns in txs:
+            states[ns] = out[ns][2]
+        for a, b in zip(jax.tree.leaves(out["grouped"][0]), jax.tree.leaves(out["folded"][0])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # The tiny model has same-shape matrices in several leaves: grouping takes fewer matmuls.
+    grads = _random_like(params, seed=30)
+    n_dots = {ns: sum(e.primitive.name == "dot_general"
+                      for e in jax.make_jaxpr(lambda g, s, p: txs[ns].update(g, s, p))(grads, states[ns], params).eqns)
+              for ns in txs}
+    assert n_dots["grouped"] < n_dots["folded"], n_dots
+
+
+def test_bench_optimizer_counts_newton_schulz_flops_and_times_the_impls():
     from experiments import bench_optimizer
 
     class TwoMatrices(nnx.Module):
@@ -457,7 +506,8 @@ def test_bench_optimizer_counts_newton_schulz_flops_and_times_both_impls():
 
     flops = bench_optimizer.newton_schulz_flops(nnx.state(TwoMatrices(), nnx.Param))
     assert flops == 5 * (3 * (4 * 16 * 6 + 2 * 64) + 2 * (4 * 25 * 8 + 2 * 125))
-    rows = [bench_optimizer.bench("k3:64:2", impl, [], steps=1) for impl in ("folded", "optax")]
+    rows = [bench_optimizer.bench("k3:64:2", impl, [], steps=1) for impl in ("folded", "grouped", "optax")]
     for row in rows:
         assert row["ms"] > 0 and row["ns_tflop"] > 0 and row["bytes_gb"] > 0
-    assert rows[0]["ns_tflop"] == rows[1]["ns_tflop"]
+    assert rows[0]["ns_tflop"] == rows[1]["ns_tflop"] == rows[2]["ns_tflop"]
+    assert rows[1]["dots"] < rows[0]["dots"]  # K3's same-shape matrices share their chains
