@@ -424,21 +424,28 @@ def test_folded_newton_schulz_zero_matrix_gives_zero():
     assert np.all(y[0] == 0.0) and np.all(np.isfinite(y))
 
 
-def test_folded_muon_equals_optax_muon_and_shares_its_state(tiny):
-    params = tiny[0]
+def _run_two_muons(params, impls, seeds, rtol):
+    """Steps two ``optim.newton_schulz`` impls side by side on the same gradients (``seeds``),
+    checking every update agrees; returns ({impl: tx}, {impl: state}, {impl: update fn}, last grads)."""
     common = dict(lr=1e-2, adam_lr=4e-3, warmup_steps=0, weight_decay=0.1, clip_norm=1.0)
     txs = {ns: optim.build_optimizer(_cfg(steps=10, name="muon", newton_schulz=ns, **common), params)[0]
-           for ns in ("folded", "optax")}
+           for ns in impls}
     states = {ns: tx.init(params) for ns, tx in txs.items()}
-    assert jax.tree.structure(states["folded"]) == jax.tree.structure(states["optax"])
+    assert jax.tree.structure(states[impls[0]]) == jax.tree.structure(states[impls[1]])
     steps = {ns: _update_fn(tx) for ns, tx in txs.items()}
-    for seed in range(3):
-        grads = _random_like(params, seed=10 + seed)
+    for seed in seeds:
+        grads = _random_like(params, seed=seed)
         out = {ns: steps[ns](grads, states[ns], params) for ns in txs}
         for ns in txs:
             states[ns] = out[ns][2]
-        for a, b in zip(jax.tree.leaves(out["folded"][0]), jax.tree.leaves(out["optax"][0])):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-7)
+        for a, b in zip(jax.tree.leaves(out[impls[0]][0]), jax.tree.leaves(out[impls[1]][0])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-7)
+    return txs, states, steps, grads
+
+
+def test_folded_muon_equals_optax_muon_and_shares_its_state(tiny):
+    params = tiny[0]
+    _, states, steps, grads = _run_two_muons(params, ("folded", "optax"), (10, 11, 12), rtol=2e-4)
     # Either state restores into the other: the folded step continues from optax's state.
     u, _, _ = steps["folded"](grads, states["optax"], params)
     for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(steps["optax"](grads, states["optax"], params)[0])):
@@ -473,21 +480,8 @@ def test_grouped_newton_schulz_equals_per_leaf_float64():
 
 def test_grouped_muon_equals_folded_muon(tiny):
     params = tiny[0]
-    common = dict(lr=1e-2, adam_lr=4e-3, warmup_steps=0, weight_decay=0.1, clip_norm=1.0)
-    txs = {ns: optim.build_optimizer(_cfg(steps=10, name="muon", newton_schulz=ns, **common), params)[0]
-           for ns in ("folded", "grouped")}
-    states = {ns: tx.init(params) for ns, tx in txs.items()}
-    assert jax.tree.structure(states["folded"]) == jax.tree.structure(states["grouped"])
-    steps = {ns: _update_fn(tx) for ns, tx in txs.items()}
-    for seed in range(2):
-        grads = _random_like(params, seed=20 + seed)
-        out = {ns: steps[ns](grads, states[ns], params) for ns in txs}
-        for ns in txs:
-            states[ns] = out[ns][2]
-        for a, b in zip(jax.tree.leaves(out["grouped"][0]), jax.tree.leaves(out["folded"][0])):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    txs, states, _, grads = _run_two_muons(params, ("grouped", "folded"), (20, 21), rtol=1e-5)
     # The tiny model has same-shape matrices in several leaves: grouping takes fewer matmuls.
-    grads = _random_like(params, seed=30)
     n_dots = {ns: sum(e.primitive.name == "dot_general"
                       for e in jax.make_jaxpr(lambda g, s, p: txs[ns].update(g, s, p))(grads, states[ns], params).eqns)
               for ns in txs}
