@@ -304,6 +304,14 @@ def validate(cfg: ConfigDict) -> ConfigDict:
             and _choices_table("model.kda.impl").resolve(m.kda.impl) == "pallas"):
         raise ConfigError(f"model.kda.chunk_size must be one of {PALLAS_KDA_CHUNKS} for the Pallas KDA kernel "
                           f"(model.kda.impl={m.kda.impl!r} runs it here), got {m.kda.chunk_size}")
+    if m.kda.impl == "jla":
+        from k3.kda.ops import JLA_HEAD_DIMS
+
+        width = m.kda.n_heads * m.kda.head_dim
+        if m.dtype != "bfloat16" or m.kda.head_dim not in JLA_HEAD_DIMS or width % 128:
+            raise ConfigError(f"model.kda.impl='jla' (jax-linear-attention's kernels) needs model.dtype='bfloat16', "
+                              f"model.kda.head_dim in {JLA_HEAD_DIMS} and n_heads * head_dim a multiple of 128; got "
+                              f"dtype={m.dtype!r}, head_dim={m.kda.head_dim}, n_heads * head_dim={width}")
     if m.moe.top_k > m.moe.n_experts or m.moe.top_k <= 0:
         raise ConfigError(f"model.moe.top_k must be in [1, n_experts], got {m.moe.top_k}")
     extra = _choices_table("model.moe.balancing").get(m.moe.balancing).extra_routes

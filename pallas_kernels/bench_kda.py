@@ -1,4 +1,5 @@
-"""Benchmark of chunked Kimi Delta Attention: our Pallas kernel, the jnp reference, and fla's Triton kernel.
+"""Benchmark of chunked Kimi Delta Attention: our Pallas kernel, the jnp reference, fla's Triton kernel and
+jax-linear-attention's Mosaic GPU kernel.
 
     python -m pallas_kernels.bench_kda [--shapes=8x4096x16x128,2x16384x32x128,...]
         [--impls=pallas,reference,fla] [--chunk-size=64] [--out=FILE.json] [--warmup=5] [--iters=20] [--check | --no-check]
@@ -9,6 +10,8 @@ Implementations (all on IDENTICAL inputs, made once per shape from a fixed seed)
   reference  `k3.kda.ops.chunk_kda_reference` (plain jnp, fp32 HIGHEST-precision matmuls)
   fla        `fla.ops.kda.chunk_kda` (PyTorch + Triton) with use_qk_l2norm_in_kernel=True,
              safe_gate=True, lower_bound=-5; CUDA only, torch/fla are imported only when asked for.
+  jla        jax-linear-attention's Mosaic GPU KDA (`k3.kda.ops` backend 'jla': chunk 64, bf16
+             tensor-core operands, exact intra-chunk decay); Hopper and head dims 64/128 only.
 
 Inputs follow `shared/bench/fla_kda_anchor.py`: q, k, v ~ N(0, 1) in bf16, g = -5 * sigmoid(N(0, 1))
 in fp32 clamped to [-5, 0), beta ~ U(0, 1) in bf16, and a fixed random cotangent do ~ N(0, 1) in bf16.
@@ -70,7 +73,7 @@ from k3.kda.ops import chunk_kda_reference, l2_normalize, recurrent_kda  # noqa:
 
 DEFAULT_SHAPES = "8x4096x16x128,2x16384x32x128,1x65536x32x128,1x8192x96x128"
 DEFAULT_IMPLS = "pallas,pallas_bf16,reference,fla"
-KNOWN_IMPLS = ("pallas", "pallas_bf16", "reference", "fla")
+KNOWN_IMPLS = ("pallas", "pallas_bf16", "reference", "fla", "jla")
 
 LOWER_BOUND = -5.0
 CHUNK_SIZE = 32
@@ -176,6 +179,7 @@ def versions():
         triton=package_version("triton"),
         fla_core=package_version("fla-core"),
         flash_linear_attention=package_version("flash-linear-attention"),
+        jax_linear_attention=package_version("jax-linear-attention"),
         flax=package_version("flax"),
         backend=jax.default_backend(),
         device_kind=jax.devices()[0].device_kind,
@@ -453,6 +457,12 @@ def make_impl(name, inputs, do, interpret):
         if jax.default_backend() != "gpu":
             raise Skipped(f"fla needs a CUDA GPU (JAX backend is {jax.default_backend()})")
         return FlaImpl(inputs, do)
+    if name == "jla":
+        if jax.default_backend() != "gpu":
+            raise Skipped(f"jla needs a Hopper GPU (JAX backend is {jax.default_backend()})")
+        from k3.kda.ops import kda_core
+
+        return JaxImpl(name, lambda q, k, v, g, beta: kda_core(q, k, v, g, beta, impl="jla"), inputs, do)
     raise ValueError(name)
 
 
@@ -511,7 +521,8 @@ def run_checks(impls, case):
         if not err <= TOLERANCE:
             case["impls"][name]["flagged"] = True
             check["flags"].append(f"{name}: o rel err {err:.3g} vs {base} > {TOLERANCE}")
-    for a, b in (("pallas", "reference"), ("pallas", "fla"), ("pallas_bf16", "fla"), ("reference", "fla")):
+    for a, b in (("pallas", "reference"), ("pallas", "fla"), ("pallas_bf16", "fla"), ("reference", "fla"),
+                 ("jla", "fla"), ("pallas_bf16", "jla")):
         if a in grads and b in grads:
             pair = {}
             for gname, ga, gb in zip(GRAD_NAMES, grads[a], grads[b]):
@@ -647,7 +658,7 @@ def run_case(shape, impl_names, args, interpret):
                 print(f"  {name} {mode}: timing failed: {rec[mode]['error']['text'][:300]}", flush=True)
 
     fla_ms = case["impls"].get("fla", {}).get("fwd_bwd", {}).get("median_ms")
-    for name in ("pallas", "pallas_bf16", "reference"):
+    for name in ("pallas", "pallas_bf16", "reference", "jla"):
         ours_ms = case["impls"].get(name, {}).get("fwd_bwd", {}).get("median_ms")
         if fla_ms and ours_ms:
             case["impls"][name]["fla_over_ours_fwd_bwd"] = fla_ms / ours_ms

@@ -66,6 +66,28 @@ def test_gpu_only_kernels_on_cpu_fail_at_construction_naming_the_fallback():
         MLA(tiny_model_cfg(**{"mla.attention_impl": "cudnn"}), rngs=nnx.Rngs(0))
     # 'auto' builds everywhere, and the layers hold the concrete choice.
     assert KDA(tiny_model_cfg(**{"kda.impl": "auto"}), rngs=nnx.Rngs(0)).impl == "chunk"
+    with pytest.raises(BackendError, match=r"model.kda.impl='jla' runs only on gpu.*'auto'.*'chunk'"):
+        KDA(tiny_model_cfg(**{"kda.impl": "jla"}), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({}, "dtype='float32'"),
+    ({"model.dtype": "bfloat16", "model.kda.head_dim": 32}, "head_dim=32"),
+    ({"model.dtype": "bfloat16", "model.kda.head_dim": 64, "model.kda.n_heads": 3}, "n_heads \\* head_dim=192"),
+])
+def test_jla_kda_needs_bf16_and_its_head_dims(changes, message):
+    cfg = default_config()
+    cfg.model.kda.impl = "jla"
+    for key, value in changes.items():
+        node, leaf = cfg, key.split(".")
+        for part in leaf[:-1]:
+            node = node[part]
+        node[leaf[-1]] = value
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+    cfg.model.update({"dtype": "bfloat16"})
+    cfg.model.kda.update({"head_dim": 128, "n_heads": 2})
+    validate(cfg)
 
 
 def test_categorize_by_scope_and_by_library_kernel_name():

@@ -433,6 +433,32 @@ def _pallas_chunk_kda():
         ) from err
 
 
+# jax-linear-attention's Mosaic GPU KDA kernels (Apache-2.0; setup.cfg extra 'jla', Python >= 3.12 with
+# JAX 0.11.2): Hopper only, bf16 q/k/v, head dims in JLA_HEAD_DIMS with H * K a multiple of 128, chunk
+# 64, and an exact intra-chunk decay for any gate, so neither chunk_size nor the bound is needed.
+JLA_HEAD_DIMS = (64, 128)
+
+
+@KDA_CORES.register("jla", platforms=("gpu",))
+def _jla_core(q, k, v, g, beta, *, chunk_size, gate_lower_bound, matmul_dtype, **kwargs):
+    del chunk_size, gate_lower_bound, matmul_dtype
+    bf16 = jnp.bfloat16
+    o, final = _jla_kda()(q.astype(bf16), k.astype(bf16), v.astype(bf16), g.astype(jnp.float32),
+                          beta.astype(jnp.float32), **kwargs)
+    return o.astype(v.dtype), final
+
+
+def _jla_kda():
+    try:  # optional: only the 'jla' backend needs it
+        from jla.ops.mosaic_gpu.kda import kda
+        return kda
+    except ImportError as err:
+        raise ImportError(
+            "model.kda.impl='jla' needs the jax-linear-attention package (pip install '.[jla]': Python >= 3.12, "
+            f"JAX 0.11.2; it could not be imported: {err}); use impl='pallas' or 'auto'"
+        ) from err
+
+
 def kda_core(
     q,
     k,
@@ -457,8 +483,9 @@ def kda_core(
       g: [B, T, H, K] per-channel log decay (<= 0).
       beta: [B, T, H] delta-rule learning rate.
       impl: a `KDA_CORES` key: 'chunk' or 'reference' (`chunk_kda_reference`), 'recurrent'
-        (`recurrent_kda`), 'pallas' (`pallas_kernels.kda.chunk_kda`, imported on first use) or 'auto'
-        (the Pallas kernel on GPUs, 'chunk' elsewhere).
+        (`recurrent_kda`), 'pallas' (`pallas_kernels.kda.chunk_kda`, imported on first use), 'jla'
+        (jax-linear-attention's Mosaic GPU kernels: Hopper, head dims 64 or 128, computed in bf16)
+        or 'auto' (the Pallas kernel on GPUs, 'chunk' elsewhere).
       scale: query scale; defaults to K ** -0.5.
       initial_state: optional [B, H, K, V] state before the first token.
       output_final_state: whether to return the state after the last token.
