@@ -112,14 +112,26 @@ def plot_multiplier(arms: dict, baseline: str, convention: str, sigma: float, n_
     return path
 
 
+def lr_sweep_curves(records: Sequence[dict]) -> tuple[bool, dict]:
+    """(absolute, {(arm, size): {x: final loss}}) of the seed-0 finals with a finite loss: x is the
+    peak rate when every such record has one (``absolute``), else the rule's multiplier."""
+    finals = [r for r in records
+              if r.get("is_final") and is_seed0(r) and r.get("val_loss") is not None and has_finite_loss(r)]
+    absolute = all(r.get("lr") is not None for r in finals)
+    groups = {}
+    for r in finals:
+        x = float(r["lr"]) if absolute else float(r.get("lr_mult", 1.0))
+        groups.setdefault((str(r["arm"]), size_label(r)), {})[x] = float(r["val_loss"])
+    return absolute, groups
+
+
 def plot_lr_sweep(records: Sequence[dict], path: str) -> str | None:
-    """Final seed-0 loss against lr_mult per (arm, size), log x; writes ``path``, or None without a sweep."""
+    """Final seed-0 loss against the learning rate per (arm, size), log x; writes ``path``, or None
+    without a sweep. The x axis is the peak rate itself when every record has it (runs at an arm's
+    own rule and at the shared one then fall on one curve), else the multiplier of the rule."""
     if all(is_default_lr(r) for r in records):
         return None
-    groups = {}
-    for r in records:
-        if r.get("is_final") and is_seed0(r) and r.get("val_loss") is not None and has_finite_loss(r):
-            groups.setdefault((str(r["arm"]), size_label(r)), {})[float(r.get("lr_mult", 1.0))] = float(r["val_loss"])
+    absolute, groups = lr_sweep_curves(records)
     colors = _colors(sorted({arm for arm, _ in groups}))
     markers = "osD^v<>p*h"
     sizes = sorted({size for _, size in groups})
@@ -132,7 +144,7 @@ def plot_lr_sweep(records: Sequence[dict], path: str) -> str | None:
                 color=colors[arm], label=f"{arm} {size}")
     ax.set_xscale("log")
     _plain_ticks(ax.xaxis)
-    ax.set_xlabel("learning-rate multiplier")
+    ax.set_xlabel("peak learning rate" if absolute else "learning-rate multiplier")
     ax.set_ylabel("final validation loss [nats/token]")
     ax.set_title("Learning-rate sweep (seed 0)")
     ax.grid(True, which="both", alpha=0.3)

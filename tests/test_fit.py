@@ -497,6 +497,17 @@ def test_own_rule_points_give_the_headline_and_shared_rule_points_the_comparison
                                                            chinchilla_starts=1)["conventions"]["6N"]
 
 
+def test_lr_sweep_curves_put_own_and_shared_rule_runs_on_one_axis():
+    from experiments.plot import lr_sweep_curves
+
+    base = dict(arm="k3", size="64x4", seed=0, is_final=True)
+    recs = [dict(base, lr_mult=m, lr=0.01 * m, val_loss=2.0 + m) for m in (0.5, 1.0, 2.0)]
+    recs.append(dict(base, lr_mult=1.0, lr=0.03, lr_rule="own", val_loss=1.9))  # x1 of another rule
+    assert lr_sweep_curves(recs) == (True, {("k3", "64x4"): {0.005: 2.5, 0.01: 3.0, 0.02: 4.0, 0.03: 1.9}})
+    del recs[-1]["lr"]  # without every rate known, the multiplier is the axis
+    assert lr_sweep_curves(recs)[0] is False
+
+
 def test_fitted_rule_setting_is_what_the_runner_parses():
     from experiments.run_ladder import parse_lr_rules
 
