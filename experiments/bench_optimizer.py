@@ -70,7 +70,7 @@ def bench(model: str, impl: str, sets, steps: int, profile_dir: str = "") -> dic
         with jax.named_scope("optimizer"):
             updates, opt = tx.update(grads, opt, params)
             params = optax.apply_updates(params, updates)
-        return (params, opt), optax.global_norm(updates)
+        return (params, opt), optax.tree.norm(updates)
 
     state = (params, opt)
     dots = sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(update)(state, grads).eqns)
