@@ -342,6 +342,24 @@ def load_done(out: Path) -> set[tuple[str, str]]:
     return done
 
 
+def recorded_speeds(out: Path, device_kind: str) -> dict[str, float]:
+    """arm -> training FLOP/s (full convention) of its largest run recorded in ``out/points*.jsonl`` on
+    a device of ``device_kind``: the deadline's first estimate for an arm's next run in a new process."""
+    best = {}
+    for path in sorted(out.glob("points*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("device") != device_kind or not rec.get("tokens_per_s") or not rec.get("flops_full"):
+                continue
+            flops_per_s = rec["tokens_per_s"] * rec["flops_full"] / rec["tokens"]
+            if rec["flops_full"] >= best.get(rec["arm"], (0.0, 0.0))[0]:
+                best[rec["arm"]] = (rec["flops_full"], flops_per_s)
+    return {arm: v for arm, (_, v) in best.items()}
+
+
 def _append(path: Path, rec: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -566,7 +584,9 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="", help="comma-separated subset of the ladder's sizes")
     p.add_argument("--jobs", default=",".join(JOBS))
     p.add_argument("--set", default="", help="ladder overrides 'key=value,...' (e.g. tokens_per_param=10)")
-    p.add_argument("--deadline_s", type=float, default=0, help="start no new run after this many seconds")
+    p.add_argument("--deadline_s", type=float, default=0,
+                   help="start no new run after this many seconds, nor one its arm's last speed (this process's, "
+                        "else the largest run recorded on this kind of device) says would pass it")
     p.add_argument("--compile_cache", default="", help="persistent XLA compilation cache directory")
     p.add_argument("--dry_run", action="store_true", help="print the plan and exit")
     p.add_argument("--kill_after_steps", type=int, default=0, help=argparse.SUPPRESS)  # tests: a hard kill
@@ -623,7 +643,10 @@ def main(argv=None) -> int:
               f"{ladder.data.vocab_size}", file=sys.stderr)
         return 2
     kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
-    speed = {}  # arm -> (training FLOPs per second, full convention) of its last run here
+    import jax
+
+    # arm -> training FLOP/s (full convention) of its last run: recorded ones first, then this process's
+    speed = recorded_speeds(out, jax.devices()[0].device_kind)
     for r in todo:
         elapsed = time.perf_counter() - t_start
         if a.deadline_s and elapsed > a.deadline_s:

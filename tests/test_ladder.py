@@ -221,6 +221,23 @@ def test_done_points_skip_and_merge(tmp_path, capsys):
     assert "*branch_0.5,*final" in text
 
 
+def test_recorded_speed_lets_the_deadline_skip_a_run_that_would_not_finish(tmp_path, capsys):
+    """A new process estimates an arm's next run from the FLOP/s its largest recorded run reached on
+    this kind of device (other devices' records are ignored), and skips what would pass the deadline."""
+    out = tmp_path / "o"
+    out.mkdir()
+    kind = jax.devices()[0].device_kind
+    rec = dict(arm="k2", run_id="k2-x", point="final", tokens=1000, flops_full=1e9, tokens_per_s=1e-3, device=kind)
+    lines = [rec, dict(rec, arm="k3", device="another GPU"), dict(rec, run_id="k2-y", flops_full=1e6, tokens_per_s=1e6)]
+    (out / "points_old.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert rl.recorded_speeds(out, kind) == {"k2": pytest.approx(1e3)}  # the largest run: 1e-3 tok/s x 1e6 FLOP/token
+    assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--arms=k2", "--sizes=32x2", "--jobs=main",
+                    "--deadline_s=600"]) == 0
+    text = capsys.readouterr().out
+    assert "deadline: k2-32x2-s0-lr1 would need about" in text and "run k2-32x2" not in text
+    assert not (out / "points.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # The run-time learning rate equals a compiled-in schedule
 
