@@ -288,7 +288,9 @@ def _optax_muon(learning_rate, dims: dict, **kw) -> optax.GradientTransformation
 
 # optim.newton_schulz -> the Muon+AdamW transformation. All have the same state tree. 'grouped' is
 # 'folded' with the small same-shape matrices of different leaves orthogonalised together (fewer
-# kernel launches: a small model's update is hundreds of tiny GEMMs, one chain per leaf).
+# kernel launches: a small model's update is hundreds of tiny GEMMs, one chain per leaf). It
+# concatenates leaves, which under a multi-device mesh can move sharded ones: it is meant for one
+# device until measured on a mesh.
 NEWTON_SCHULZ = {"folded": muon_lib.muon, "optax": _optax_muon,
                  "grouped": functools.partial(muon_lib.muon, group_max_elems=muon_lib.GROUP_MAX_ELEMS)}
 
