@@ -632,8 +632,8 @@ def saved_residual_bytes(cfg, batch: int, seq: int, platform: str = "gpu") -> fl
     resolved there: Pallas KDA, conv branches and depth mixes, flash attention and capacity experts
     on 'gpu'). What it cannot see is XLA's working set while a group's forward is recomputed in the
     backward: on the H200 the measured peaks of K3 1024:12 at 32K tokens exceed parameters,
-    optimizer, gradients and this count by 13.4-15.1 GiB under all three policies
-    (`experiments.plan_vs_measured`)."""
+    optimizer, gradients and this count by 10.4 GiB under 'dots_kernels_glu' and 12.7-16.3 GiB under
+    'dots' and 'dots_kernels' (`experiments.plan_vs_measured`, rows measured up to the conv kernels)."""
     m = copy.deepcopy(cfg.model)
     with m.unlocked() if hasattr(m, "unlocked") else contextlib.nullcontext():
         for node, key, table in ((m.mla, "attention_impl", ATTENTION), (m.kda, "impl", KDA_CORES),
