@@ -132,7 +132,8 @@ def _fwd_kernel(y_ref, bits_ref, w_ref, out_ref, *, N, BT, BC, W, K, eps, dt, sl
     store(out_ref, t0, a)
 
 
-def _bwd_kernel(y_ref, bits_ref, w_ref, dout_ref, dy_ref, dw_ref, *, N, BT, BC, W, K, eps, dt, steps, slices):
+def _bwd_kernel(y_ref, bits_ref, w_ref, dout_ref, dy_ref, dw_ref, *, N, BT, BC, W, K, eps, dt, steps, slices,
+                dw_tiles):
     tile, bits, store = _tile_loader(N, BT, BC, slices)
     w = _weights(w_ref, W, BC, dt)
     first = pl.program_id(1) * steps  # read outside the loop: interpret mode has no program id inside it
@@ -159,17 +160,19 @@ def _bwd_kernel(y_ref, bits_ref, w_ref, dout_ref, dy_ref, dw_ref, *, N, BT, BC, 
             if j == 0:
                 for i in range(W):
                     term = tile_y(0) * dpre if i == 0 else jnp.where(_tap(b, i), tile_y(-i), 0.0) * dpre
-                    dw[W - 1 - i] = dw[W - 1 - i] + jnp.sum(term, axis=0, keepdims=True)
+                    # dw_tiles: whole [BT, BC] products carried, reduced over rows once after the loop
+                    # (one cross-thread reduction per tap and program instead of one per step)
+                    dw[W - 1 - i] = dw[W - 1 - i] + (term if dw_tiles else jnp.sum(term, axis=0, keepdims=True))
                 dy = dpre * w[W - 1]
             else:
                 dy = dy + jnp.where(_tap(b, j), dpre, 0.0) * w[W - 1 - j]
         store(dy_ref, t0, dy)
         return tuple(dw)
 
-    dw = lax.fori_loop(0, steps, body, tuple(jnp.zeros((1, BC), dt) for _ in range(W)))
+    dw = lax.fori_loop(0, steps, body, tuple(jnp.zeros((BT if dw_tiles else 1, BC), dt) for _ in range(W)))
     c0 = pl.program_id(0) * BC
     for i in range(W):
-        dw_ref[pl.program_id(1) * W + i, pl.ds(c0, BC)] = dw[i][0]
+        dw_ref[pl.program_id(1) * W + i, pl.ds(c0, BC)] = jnp.sum(dw[i], axis=0)
 
 
 def _whole(shape):
@@ -177,7 +180,7 @@ def _whole(shape):
 
 
 def _forward(y_NC, bits_N, w_WC, cfg):
-    K, eps, BC, block, steps, interpret, num_warps, slices = cfg
+    K, eps, BC, block, steps, interpret, num_warps, slices, _ = cfg
     N, C = y_NC.shape
     W = w_WC.shape[0]
     dt = compute_dtype(y_NC)
@@ -192,14 +195,14 @@ def _forward(y_NC, bits_N, w_WC, cfg):
 
 
 def _backward(y_NC, bits_N, w_WC, dout_NC, cfg):
-    K, eps, BC, block, steps, interpret, num_warps, slices = cfg
+    K, eps, BC, block, steps, interpret, num_warps, slices, dw_tiles = cfg
     N, C = y_NC.shape
     W = w_WC.shape[0]
     dt = compute_dtype(y_NC)
     nb = pl.cdiv(N, block * steps)
     dy, dw = pl.pallas_call(
         functools.partial(_bwd_kernel, N=N, BT=block, BC=BC, W=W, K=K, eps=eps, dt=dt, steps=steps,
-                          slices=slices),
+                          slices=slices, dw_tiles=dw_tiles),
         grid=(C // BC, nb),
         in_specs=[_whole((N, C)), _whole((N,)), _whole((W, C)), _whole((N, C))],
         out_specs=[_whole((N, C)), _whole((nb * W, C))],
@@ -230,7 +233,8 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None, head_dim: int,
                      eps: float = 1e-6, *, block: int = 8, channels: int = 256, steps: int = 32,
-                     interpret: bool | None = None, num_warps: int = 4, row_slices: bool = True) -> jax.Array:
+                     interpret: bool | None = None, num_warps: int = 4, row_slices: bool = True,
+                     dw_tiles: bool = False) -> jax.Array:
     """`k3.kda.layer.conv_branch_xla` through the Pallas kernels: [B, T, C] in y's dtype.
 
     y: [B, T, C] projections; w: [W, C] taps (w[W-1] multiplies the current token); segment_ids:
@@ -239,8 +243,9 @@ def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Arra
     ``steps`` blocks in a loop, accumulating the taps' gradient) of a channel tile: the largest power
     of two dividing both C and ``channels`` (at least one head with the norm). Powers of two.
     ``row_slices``: compiled kernels address the shifted tiles as row slices (True) or as gathered
-    row indices (False); interpret mode always gathers. ``interpret=None``: compiled on a GPU,
-    interpreted elsewhere.
+    row indices (False); interpret mode always gathers. ``dw_tiles``: the backward carries the taps'
+    products as [block, tile] arrays through its loop and sums their rows once at the end (True), or
+    sums them every step (False). ``interpret=None``: compiled on a GPU, interpreted elsewhere.
     """
     B, T, C = y_BTC.shape
     W = w_WC.shape[0]
@@ -255,6 +260,7 @@ def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Arra
     if segment_ids_BT is not None and jnp.shape(segment_ids_BT) != (B, T):
         raise ValueError(f"conv_silu_pallas: segment_ids {jnp.shape(segment_ids_BT)} must be [B, T] = {(B, T)}")
     interpret = default_interpret() if interpret is None else bool(interpret)
-    cfg = (int(head_dim), float(eps), BC, block, steps, interpret, num_warps, bool(row_slices) and not interpret)
+    cfg = (int(head_dim), float(eps), BC, block, steps, interpret, num_warps, bool(row_slices) and not interpret,
+           bool(dw_tiles))
     out = _conv(y_BTC.reshape(B * T, C), tap_bits(segment_ids_BT, B, T, W), w_WC, cfg)
     return out.reshape(B, T, C)
