@@ -2,6 +2,7 @@
 
     python -m experiments.run_ladder --ladder=experiments/configs/ladder_h200.py --out=DIR \
         [--arms=k2,k3] [--sizes=64x4,96x4] [--jobs=main,shared,seeds,repeats,sweep] [--deadline_s=540] [--dry_run]
+        [--speeds_from=DIR --estimate_on='NVIDIA H200']
 
 A ladder file (see `default_ladder` for every knob) names the arms (`experiments.configs.ladder`),
 the sizes (``d_model x n_layers``; ``arm_sizes`` gives an arm shapes of its own), the data, the
@@ -13,6 +14,10 @@ points at the price of the branch cooldowns. Every point is one JSON line append
 ``DIR/points.jsonl``: arm, size, seed, learning rate, parameters, tokens, FLOPs under both
 conventions (``6N`` and ``full``, `k3.params`), held-out loss in nats/token and bits/byte, wall
 time, device and the config hash.
+
+The plan's table estimates each run's training time from the FLOP/s its arm reached in recorded
+points (``--speeds_from``, default ``--out``) on a device kind (``--estimate_on``, default this
+process's), so a GPU ladder can be sized from a CPU.
 
 Resumable: a point already in ``DIR/points*.jsonl`` is not recomputed; a run killed midway
 restarts from its last checkpoint (``DIR/runs/<run_id>/checkpoints``; deleted once the run's points
@@ -360,6 +365,11 @@ def recorded_speeds(out: Path, device_kind: str) -> dict[str, float]:
     return {arm: v for arm, (_, v) in best.items()}
 
 
+def run_flops(run: dict) -> float:
+    """Training FLOPs (full convention) of a run, its branches' extra cooldown tokens included."""
+    return run["flops_per_token"]["full"] * run["tokens"] * (1 + sum(e - b for b, e in run["branches"]))
+
+
 def _append(path: Path, rec: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -589,6 +599,12 @@ def main(argv=None) -> int:
                         "else the largest run recorded on this kind of device) says would pass it")
     p.add_argument("--compile_cache", default="", help="persistent XLA compilation cache directory")
     p.add_argument("--dry_run", action="store_true", help="print the plan and exit")
+    p.add_argument("--estimate_on", default="",
+                   help="device kind whose recorded speeds estimate each run's time (default: this process's), "
+                        "e.g. 'NVIDIA H200' to plan a GPU ladder from a CPU")
+    p.add_argument("--speeds_from", default="",
+                   help="results directory whose points*.jsonl give the recorded speeds (default: --out); its "
+                        "points do not count as done")
     p.add_argument("--kill_after_steps", type=int, default=0, help=argparse.SUPPRESS)  # tests: a hard kill
     a = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -609,17 +625,29 @@ def main(argv=None) -> int:
         return 2
     done = load_done(out) if out.exists() else set()
     todo = [r for r in runs if any((r["run_id"], n) not in done for n in point_names(r))]
+    import jax
+
+    device_kind = a.estimate_on or jax.devices()[0].device_kind
+    # arm -> training FLOP/s (full convention): recorded on this kind of device, then this process's runs
+    speeds_dir = Path(a.speeds_from) if a.speeds_from else out
+    speed = recorded_speeds(speeds_dir, device_kind) if speeds_dir.is_dir() else {}
     print(f"ladder {ladder.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to train")
-    print(f"{'run':<28}{'N (non-emb act)':>16}{'steps':>8}{'tokens':>13}{'6ND':>10}{'full':>10}{'lr':>9}  points")
+    print(f"{'run':<28}{'N (non-emb act)':>16}{'steps':>8}{'tokens':>13}{'6ND':>10}{'full':>10}{'lr':>9}"
+          f"{'est s':>8}  points")
     for r in runs:
         n = r["counts"]["non_embedding_active_params"]
+        est = f"{run_flops(r) / speed[r['arm']]:>8.0f}" if r["arm"] in speed else f"{'-':>8}"
         print(f"{r['run_id']:<28}{n:>16,}{r['steps']:>8}{r['tokens']:>13,}{6 * n * r['tokens']:>10.2e}"
-              f"{r['flops_per_token']['full'] * r['tokens']:>10.2e}{r['lr']:>9.2e}  "
+              f"{r['flops_per_token']['full'] * r['tokens']:>10.2e}{r['lr']:>9.2e}{est}  "
               + ",".join(("*" if (r['run_id'], x) in done else "") + x for x in point_names(r)))
+    known = [r for r in todo if r["arm"] in speed]
+    if known:
+        print(f"estimated training time of the {len(known)} runs to train whose arm has a speed recorded on "
+              f"{device_kind!r}: {sum(run_flops(r) / speed[r['arm']] for r in known):,.0f} s (compilation and "
+              f"evaluation not included; {len(todo) - len(known)} runs without an estimate)")
     if a.dry_run or not todo:
         return 0
     if a.compile_cache:
-        import jax
         jax.config.update("jax_compilation_cache_dir", a.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -643,16 +671,12 @@ def main(argv=None) -> int:
               f"{ladder.data.vocab_size}", file=sys.stderr)
         return 2
     kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
-    import jax
-
-    # arm -> training FLOP/s (full convention) of its last run: recorded ones first, then this process's
-    speed = recorded_speeds(out, jax.devices()[0].device_kind)
     for r in todo:
         elapsed = time.perf_counter() - t_start
         if a.deadline_s and elapsed > a.deadline_s:
             print(f"deadline: {a.deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
             break
-        flops = r["flops_per_token"]["full"] * r["tokens"] * (1 + sum(e - b for b, e in r["branches"]))
+        flops = run_flops(r)
         if a.deadline_s and r["arm"] in speed and elapsed + flops / speed[r["arm"]] + 30 > a.deadline_s:
             print(f"deadline: {r['run_id']} would need about {flops / speed[r['arm']]:.0f}s; skipped (rerun to resume)")
             continue

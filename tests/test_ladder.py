@@ -236,6 +236,14 @@ def test_recorded_speed_lets_the_deadline_skip_a_run_that_would_not_finish(tmp_p
     text = capsys.readouterr().out
     assert "deadline: k2-32x2-s0-lr1 would need about" in text and "run k2-32x2" not in text
     assert not (out / "points.jsonl").exists()
+    # The same records estimate a dry run's time from another directory, whose points are not "done".
+    plan_dir = tmp_path / "plan"
+    assert rl.main([f"--ladder={MICRO}", f"--out={plan_dir}", "--arms=k2", "--jobs=main", "--dry_run",
+                    f"--speeds_from={out}", f"--estimate_on={kind}"]) == 0
+    text = capsys.readouterr().out
+    runs = rl.plan_runs(rl.load_ladder(MICRO), arms=["k2"], jobs=["main"])
+    total = sum(rl.run_flops(r) / 1e3 for r in runs)
+    assert "3 runs, 0 done, 3 to train" in text and "of the 3 runs to train" in text and f"{total:,.0f} s" in text
 
 
 # ---------------------------------------------------------------------------------------------
