@@ -147,23 +147,31 @@ def parse_branches(text: str) -> list[tuple[float, float]]:
     return sorted(out)
 
 
+def _per_arm(text: str, arms, key: str, form: str):
+    """(entry, arm, value text) of each ';'-separated 'arm=value' entry of the ladder key ``key``;
+    every arm must be one of ``arms`` and appear once."""
+    seen = set()
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        arm, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or not value:
+            raise LadderError(f"{key} entry {part!r} is not '{form}' (entries separated by ';')")
+        if arm not in arms:
+            raise LadderError(f"{key} names arm {arm!r}, which is not in the ladder's arms ({', '.join(arms)})")
+        if arm in seen:
+            raise LadderError(f"{key} gives arm {arm!r} twice")
+        seen.add(arm)
+        yield part, arm, value
+
+
 def parse_lr_rules(text: str, arms) -> dict[str, tuple[float, float]]:
     """'arm=coef:exp;...' -> {arm: (coef, exp)}; every arm must be one of ``arms`` and appear once,
     with coef > 0 (lr = coef * C ** exp, C in FLOPs)."""
     out = {}
-    for part in (p.strip() for p in text.split(";") if p.strip()):
-        arm, sep, rule = part.partition("=")
-        arm = arm.strip()
+    for part, arm, rule in _per_arm(text, arms, "lr_rules", "arm=coef:exp"):
         try:
             coef, exp = (float(x) for x in rule.split(":"))
         except ValueError:
-            coef = exp = None
-        if not sep or coef is None:
-            raise LadderError(f"lr_rules entry {part!r} is not 'arm=coef:exp' (entries separated by ';')")
-        if arm not in arms:
-            raise LadderError(f"lr_rules names arm {arm!r}, which is not in the ladder's arms ({', '.join(arms)})")
-        if arm in out:
-            raise LadderError(f"lr_rules gives arm {arm!r} twice")
+            raise LadderError(f"lr_rules entry {part!r} is not 'arm=coef:exp' (entries separated by ';')") from None
         if not (coef > 0 and math.isfinite(coef) and math.isfinite(exp)):
             raise LadderError(f"lr_rules entry {part!r}: coef must be a positive number and exp finite")
         out[arm] = (coef, exp)
@@ -174,14 +182,7 @@ def parse_arm_sizes(text: str, arms) -> dict[str, list[str]]:
     """'arm=SIZE,SIZE;arm=...' -> {arm: [size, ...] sorted by (d_model, n_layers)}; arms must be of
     ``arms`` and appear once, sizes must parse and not repeat."""
     out = {}
-    for part in (p.strip() for p in text.split(";") if p.strip()):
-        arm, sep, sizes = (x.strip() for x in part.partition("="))
-        if not sep or not sizes:
-            raise LadderError(f"arm_sizes entry {part!r} is not 'arm=SIZE,SIZE,...' (entries separated by ';')")
-        if arm not in arms:
-            raise LadderError(f"arm_sizes names arm {arm!r}, which is not in the ladder's arms ({', '.join(arms)})")
-        if arm in out:
-            raise LadderError(f"arm_sizes gives arm {arm!r} twice")
+    for part, arm, sizes in _per_arm(text, arms, "arm_sizes", "arm=SIZE,SIZE,..."):
         listed = [x.strip() for x in sizes.split(",") if x.strip()]
         if len(set(listed)) != len(listed):
             raise LadderError(f"arm_sizes entry {part!r} repeats a size")
@@ -333,35 +334,33 @@ def config_hash(run: dict, ladder) -> str:
 # Results files
 
 
-def load_done(out: Path) -> set[tuple[str, str]]:
-    """(run_id, point) pairs already recorded in ``out/points*.jsonl``."""
-    done = set()
+def _recorded(out: Path):
+    """Every record of ``out/points*.jsonl``, in file order; a line cut by a kill is skipped (its point
+    is recomputed)."""
     for path in sorted(out.glob("points*.jsonl")):
         for line in path.read_text().splitlines():
             if line.strip():
                 try:
-                    rec = json.loads(line)
+                    yield json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut by a kill: the point is recomputed
-                done.add((rec["run_id"], rec["point"]))
-    return done
+                    continue
+
+
+def load_done(out: Path) -> set[tuple[str, str]]:
+    """(run_id, point) pairs already recorded in ``out/points*.jsonl``."""
+    return {(rec["run_id"], rec["point"]) for rec in _recorded(out)}
 
 
 def recorded_speeds(out: Path, device_kind: str) -> dict[str, float]:
     """arm -> training FLOP/s (full convention) of its largest run recorded in ``out/points*.jsonl`` on
     a device of ``device_kind``: the deadline's first estimate for an arm's next run in a new process."""
     best = {}
-    for path in sorted(out.glob("points*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("device") != device_kind or not rec.get("tokens_per_s") or not rec.get("flops_full"):
-                continue
-            flops_per_s = rec["tokens_per_s"] * rec["flops_full"] / rec["tokens"]
-            if rec["flops_full"] >= best.get(rec["arm"], (0.0, 0.0))[0]:
-                best[rec["arm"]] = (rec["flops_full"], flops_per_s)
+    for rec in _recorded(out):
+        if rec.get("device") != device_kind or not rec.get("tokens_per_s") or not rec.get("flops_full"):
+            continue
+        flops_per_s = rec["tokens_per_s"] * rec["flops_full"] / rec["tokens"]
+        if rec["flops_full"] >= best.get(rec["arm"], (0.0, 0.0))[0]:
+            best[rec["arm"]] = (rec["flops_full"], flops_per_s)
     return {arm: v for arm, (_, v) in best.items()}
 
 
