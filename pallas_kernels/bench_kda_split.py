@@ -3,8 +3,8 @@
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split] [--out=FILE.json]
 
-A variant is chunk_size:matmul_dtype[:bk[:bki]] (key blocks of the strip backward and of the
-inter-chunk backward; default: the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
+A variant is chunk_size:matmul_dtype[:bk[:bki[:bp]]] (key blocks of the strip backward and of the
+inter-chunk backward, column block of the pairs backward; 0 or absent: the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
 launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels after the reverse chain
 (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
 [-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
@@ -16,7 +16,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -37,10 +36,11 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
-def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=None, backward="auto"):
+def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, launch=(), kernels=None, backward="auto"):
     """Median ms and compile s of each forward and backward kernel for one shape and variant.
 
-    bk, bki: key blocks of the strip and inter-chunk backward kernels (0: the module's defaults);
+    bk, bki: key blocks of the strip and inter-chunk backward kernels, bp: column block of the pairs
+    backward kernel (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
     time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice."""
     B, T, H, K = shape
@@ -54,8 +54,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, launch=(), kernels=Non
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
-    cfg = dataclasses.replace(cfg, BK=min(bk, cfg.K) if bk else cfg.BK, BKI=min(bki, cfg.K) if bki else cfg.BKI,
-                              launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward)
+    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, launch=launch, backward=backward)
     wanted = set(kernels or P._LAUNCH)
     rows = {}
 

@@ -104,10 +104,13 @@ class _Cfg:
     launch: tuple = ()  # ((kernel, warps, stages), ...) overriding _LAUNCH
     backward: str = "fused"  # `_AFTER_CHAIN` entry: the backward kernels after the reverse chain
     BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
+    BP: int = 0  # column block of the split backward's pairs kernel (0: the whole min(K, V))
 
     def __post_init__(self):
         if not self.BKI:
             object.__setattr__(self, "BKI", self.BK)
+        if not self.BP:
+            object.__setattr__(self, "BP", min(self.K, self.V))
 
     def launch_of(self, name):
         base = dict(_LAUNCH, **(_LAUNCH_SMALL_K if self.K <= _SMALL_K else {}))
@@ -459,21 +462,34 @@ def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
                       dvn_ref, dw_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
     """One chunk, whole-chunk matmuls (no decay factors needed): from dv_new and dw back through
     u = T (beta v), w = T kb and T = (I + L)^-1 to dv, the value part of dbeta, dL [C, C] and
-    dAqk [C, C] (both masked to the pairs that exist)."""
+    dAqk [C, C] (both masked to the pairs that exist). dT sums over the value and key channels in
+    column blocks of BP, so one block's [C, BP] operands are live at a time (at K = V = 128 the
+    whole-width form holds about 2 KB per thread more than the 255 registers; compile_report)."""
     f32, pm, pt, C = jnp.float32, cfg.prec_mm, cfg.prec_tile, cfg.C
     T = t_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
-    dvn, v = dvn_ref[...], v_ref[...].astype(f32)
-    kb = beta * mf_ref[...][:, None] * k_ref[...].astype(f32) * jnp.exp(G_ref[...])
-    dvb = _mm_tn(T, dvn, pt)
-    dT = _mm_nt(dvn, beta * v, pt) + _mm_nt(dw_ref[...], kb, pt)
+    bmf = beta * mf_ref[...][:, None]
+    dT = jnp.zeros((C, C), f32)
+    dv, dbeta = [], 0.0
+    for j in range(cfg.V // cfg.BP):
+        blk = pl.ds(j * cfg.BP, cfg.BP)
+        dvn, v = dvn_ref[:, blk], v_ref[:, blk].astype(f32)
+        dvb = _mm_tn(T, dvn, pt)
+        dT = dT + _mm_nt(dvn, beta * v, pt)
+        dv.append((beta * dvb).astype(dv_ref.dtype))
+        dbeta = dbeta + jnp.sum(v * dvb, axis=1)
+    for j in range(cfg.K // cfg.BP):
+        blk = pl.ds(j * cfg.BP, cfg.BP)
+        kb = bmf * k_ref[:, blk].astype(f32) * jnp.exp(G_ref[:, blk])
+        dT = dT + _mm_nt(dw_ref[:, blk], kb, pt)
     row, col = _iota((C, C), 0), _iota((C, C), 1)
     doc = doc_ref[...]
     same = doc[:, None] == doc[None, :]
     dL = -_mm_nt(_mm_tn(T, dT, pt), T, pt)
     dA = cfg.scale * _mm_nt(do_ref[...].astype(cfg.md), vn_ref[...].astype(cfg.md), pm)
-    dv_ref[...] = (beta * dvb).astype(dv_ref.dtype)
-    dbeta_ref[...] = jnp.sum(v * dvb, axis=1)
+    for j, dv_j in enumerate(dv):
+        dv_ref[:, pl.ds(j * cfg.BP, cfg.BP)] = dv_j
+    dbeta_ref[...] = dbeta
     dl_ref[...] = jnp.where((row > col) & same, dL, 0.0)
     da_ref[...] = jnp.where((row >= col) & same, dA, 0.0)
 
@@ -810,6 +826,19 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         h0t = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)]).swapaxes(-1, -2)
 
     return cfg, (qp, kp, vp, G, betap, h0t, docf, mf, ml)
+
+
+def with_overrides(cfg, *, bk=0, bki=0, bp=0, launch=(), backward="auto"):
+    """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
+    backward) and column block bp (pairs backward; 0 keeps each default), ((kernel, warps, stages), ...)
+    launches over `_LAUNCH`, and an `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim)."""
+    width = min(cfg.K, cfg.V)
+    for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width)):
+        if blk and (blk < 16 or blk & (blk - 1) or (blk < dim and dim % blk)):
+            raise ValueError(f"chunk_kda: {name} must be a power of two >= 16; got {blk}")
+    return dataclasses.replace(cfg, BK=min(bk, cfg.K) if bk else cfg.BK, BKI=min(bki, cfg.K) if bki else cfg.BKI,
+                               BP=min(bp, width) if bp else cfg.BP, launch=tuple(launch),
+                               backward=cfg.backward if backward == "auto" else backward)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

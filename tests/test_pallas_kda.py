@@ -4,7 +4,6 @@ On the CPU the kernels run in Pallas interpret mode; on a GPU machine `K3_PALLAS
 the same tests on the compiled Triton kernels.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -150,11 +149,12 @@ def test_packed_documents_equal_separate_runs(x64, chunk_size):
            chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("backward,bk", [("fused", 32), ("fused", 64), ("split", 32)])
-def test_backward_kernels_equal_reference_gradient(x64, backward, bk):
+@pytest.mark.parametrize("backward,bk,bp", [("fused", 32, 0), ("fused", 64, 0), ("split", 32, 0), ("split", 64, 16)])
+def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp):
     """Both backward plans (`_AFTER_CHAIN`) at an awkward size against the gradient of the jnp chunked
     reference: T = 77 (not a multiple of the chunk), K = 48 padded to 64 (two key blocks of 32 when
-    bk = 32, one of 64 otherwise), V = 40, packed documents with boundaries inside chunks."""
+    bk = 32, one of 64 otherwise), V = 40, packed documents with boundaries inside chunks; the split
+    pairs kernel over the whole width or in column blocks of bp = 16."""
     B, T, H, K, V = 2, 77, 2, 48, 40
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(bk), B, T, H, K, V)]
@@ -165,7 +165,7 @@ def test_backward_kernels_equal_reference_gradient(x64, backward, bk):
                                           segment_ids=seg, interpret=None, chunk_size=32,
                                           lower_bound=LB, check_gate=False, matmul_dtype=None)
         assert (cfg.K, cfg.BK, cfg.backward) == (64, 64, "fused")
-        cfg = dataclasses.replace(cfg, BK=bk, backward=backward)
+        cfg = pallas_kda.with_overrides(cfg, bk=bk, bp=bp, backward=backward)
         o, ht = pallas_kda._kda(cfg, *inputs)
         return o[:, :T, :, :V], ht.swapaxes(-1, -2)[:, :, :K, :V]
 
@@ -176,6 +176,16 @@ def test_backward_kernels_equal_reference_gradient(x64, backward, bk):
     errs = {"o": _rel(o, ro), "ht": _rel(ht, rht)}
     errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, rgrads)})
     assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def test_block_overrides_must_divide_the_padded_dims():
+    cfg, _ = pallas_kda._prepare(*_inputs(np.random.default_rng(0), 1, 20, 1, 64, 32)[:5], scale=None,
+                                 initial_state=None, segment_ids=None, interpret=True, chunk_size=16,
+                                 lower_bound=LB, check_gate=False, matmul_dtype=None)
+    assert pallas_kda.with_overrides(cfg, bp=16, bk=128).BP == 16
+    for bad in (dict(bp=24), dict(bk=8), dict(bki=48)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a power of two"):
+            pallas_kda.with_overrides(cfg, **bad)
 
 
 def test_without_initial_or_final_state(x64):
