@@ -16,6 +16,7 @@ names the setting and the portable fallback, raised before anything is traced.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
@@ -25,10 +26,28 @@ class BackendError(ValueError):
     """A backend that does not exist, or that cannot run on this platform."""
 
 
+_TARGET: list[str] = []  # set by `targeting`: the platform being compiled for, when not this process's
+
+
 def platform() -> str:
-    """'gpu', 'tpu' or 'cpu' for the default JAX backend."""
+    """'gpu', 'tpu' or 'cpu': the platform being compiled for (`targeting`), else the default JAX backend."""
+    if _TARGET:
+        return _TARGET[-1]
     backend = jax.default_backend()
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+@contextlib.contextmanager
+def targeting(where: str):
+    """Resolve 'auto' (and check platform-only entries) for ``where`` instead of this process's
+    backend, e.g. to compile a GPU step ahead of time on a CPU host (`experiments.compile_step`)."""
+    if where not in ("gpu", "tpu", "cpu"):
+        raise BackendError(f"unknown platform {where!r}; expected 'gpu', 'tpu' or 'cpu'")
+    _TARGET.append(where)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
 
 
 class Table:

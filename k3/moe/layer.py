@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3.moe import balancing
-from k3.backends import Table
+from k3.backends import Table, platform
 from k3.moe.expert_parallel import routed_experts_sharded
 from k3.ffn import GLUMLP, glu_activation
 from k3.nn import RMSNorm, cast, normal, param
@@ -156,7 +156,7 @@ class MoE(nnx.Module):
         self.sharder, self.capacity_factor = sharder, e.capacity_factor
         self.ep_dispatch = e.ep_dispatch
         if self.ep_dispatch == "auto":
-            self.ep_dispatch = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
+            self.ep_dispatch = "ragged" if platform() in ("gpu", "tpu") else "padded"
         self.n_experts, self.top_k, self.scaling = E, e.top_k, e.routed_scaling
         self.balancer, self.hist_bins = balancing.BALANCERS.get(e.balancing), e.hist_bins
         self.activation, self.betas = cfg.activation, (cfg.situ_beta_gate, cfg.situ_beta_up)

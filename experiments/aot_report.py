@@ -1,0 +1,386 @@
+"""Compile the train step for a GPU that is not attached, and read what XLA made of it.
+
+    python -m experiments.aot_report [--models=k2:1024:12,k3:1024:12] [--target=h200] [--seq_len=4096]
+        [--batches=8] [--remat] [--set KEY=VALUE ...] [--top=12] [--json=FILE] [--hlo_dir=DIR]
+
+XLA's GPU compiler runs here, on the CPU, for the target's device description (a compile-only device
+from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each model and batch size gets:
+
+- memory: XLA's buffer assignment for the step (arguments + outputs + temporaries - donated), the
+  figure that decides an out-of-memory error, against the target's memory;
+- kernels: what one step launches (fusions, custom calls, copies...; a loop body counts once per
+  trip), so launch overhead can be estimated before a GPU is at hand;
+- floors: per `experiments.profile_step` category, the bytes every kernel must move (its operands
+  and results, once) and the FLOPs of its matmuls; a kernel cannot take less than
+  max(bytes / HBM bandwidth, FLOPs / peak), and the table sums those per category. A measured
+  profile divided by these floors says where a step is furthest from the hardware.
+
+What it cannot know: kernels are not timed (no autotuning either, so XLA's GEMM choices can differ from
+a run on the device, and a sort falls back to a slower algorithm); Pallas kernels are opaque calls
+whose bytes are their operands and results. The step's Pallas kernels and backends are those of a GPU
+(`k3.backends.targeting('gpu')`, `K3_PALLAS_INTERPRET=0`).
+
+Requirements: the CUDA plugin of jaxlib's version, kept outside the project's environment (see
+`pallas_kernels.compile_report`): `PYTHONPATH=/tmp/k3-triton python -m experiments.aot_report ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import time
+
+# Before JAX starts: the CUDA plugin's start-up check needs a CUDA runtime, its compiler does not, and
+# the Pallas kernels must lower for the GPU, not run interpreted.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ["K3_PALLAS_INTERPRET"] = "0"
+
+import jax  # noqa: E402
+
+from experiments.bench_train_step import build_config, synthetic_batch  # noqa: E402
+from experiments.profile_step import (  # noqa: E402
+    _CALLS, _OP_NAME, CATEGORIES, _shapes_bytes, categorize)
+
+# Device descriptions (datasheet and driver-reported figures) of the GPUs a step can be compiled for.
+TARGETS = {
+    "h200": dict(name="NVIDIA H200", compute_capability=(9, 0), core_count=132, memory_bytes=151_397_597_184,
+                 hbm_bytes_per_s=4.8e12, peak_bf16_flops=989e12, l2_bytes=52_428_800, clock_ghz=1.98,
+                 shared_memory_per_block=49_152, shared_memory_per_core=233_472,
+                 shared_memory_per_block_optin=232_448),
+    "h100": dict(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), core_count=132,
+                 memory_bytes=85_520_809_984, hbm_bytes_per_s=3.35e12, peak_bf16_flops=989e12,
+                 l2_bytes=52_428_800, clock_ghz=1.98, shared_memory_per_block=49_152,
+                 shared_memory_per_core=233_472, shared_memory_per_block_optin=232_448),
+}
+
+
+def target_config_text(t: dict) -> str:
+    """The target as XLA's GpuTargetConfigProto in text form."""
+    major, minor = t["compute_capability"]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: {t['shared_memory_per_block']}
+  shared_memory_per_core: {t['shared_memory_per_core']}
+  threads_per_core_limit: 2048
+  core_count: {t['core_count']}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(t['hbm_bytes_per_s'])}
+  l2_cache_size: {t['l2_bytes']}
+  clock_rate_ghz: {t['clock_ghz']}
+  device_memory_size: {t['memory_bytes']}
+  shared_memory_per_block_optin: {t['shared_memory_per_block_optin']}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{t['name']}"
+"""
+
+
+def compile_only_device(target: str):
+    """A device of the target GPU that XLA compiles for but nothing runs on."""
+    from jax.experimental import topologies
+
+    if target not in TARGETS:
+        raise SystemExit(f"aot_report: unknown --target {target!r}; expected one of {sorted(TARGETS)}")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=target_config_text(TARGETS[target]))
+    except Exception as err:  # noqa: BLE001 - any failure here means the compiler is missing
+        import jaxlib
+
+        raise SystemExit(
+            f"aot_report: cannot make a compile-only CUDA device ({str(err).splitlines()[0][:200]}). Install "
+            f"the CUDA plugin of jaxlib's version next to the project: `pip install --target /tmp/k3-triton "
+            f"jax-cuda12-plugin=={jaxlib.__version__}` and run with PYTHONPATH=/tmp/k3-triton") from err
+    return topo.devices[0]
+
+
+def compile_step(cfg, device):
+    """(compiled train step, seconds): `k3.steps.make_run`'s step lowered with abstract state and batch
+    placed on ``device``; nothing is allocated."""
+    from jax.sharding import SingleDeviceSharding
+
+    from k3 import backends
+    from k3.steps import make_run
+
+    where = SingleDeviceSharding(device)
+    held = {}
+
+    def build():
+        run, state = make_run(cfg)
+        held["run"] = run
+        return state
+
+    t0 = time.perf_counter()
+    with backends.targeting("gpu"):
+        state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), jax.eval_shape(build))
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where) for k, v in synthetic_batch(cfg).items()}
+        compiled = held["run"].train_step.lower(state, batch).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def memory_gib(compiled) -> dict:
+    """XLA's buffer assignment of a compiled step, GiB: arguments, outputs, temporaries, donated, total."""
+    m = compiled.memory_analysis()
+    gib = 2.0 ** 30
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return dict(arguments=m.argument_size_in_bytes / gib, outputs=m.output_size_in_bytes / gib,
+                temporaries=m.temp_size_in_bytes / gib, donated=m.alias_size_in_bytes / gib, total=total / gib)
+
+
+# Instructions that launch nothing: views, tuples, control flow (whose bodies are walked instead).
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+              "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id", "copy-done",
+              "send-done", "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done"}
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRITON_NAME = re.compile(r'__gpu\$xla\.gpu\.triton".*?name = "([\w.\-]+)"')
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CONTRACT_CFG = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def _parse(line: str) -> tuple[str, str, str, list[tuple[str, str]]]:
+    """(name, result type, opcode, operands as (name, tuple index or '')) of one HLO instruction line."""
+    lhs, rhs = line.split("=", 1)
+    name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)", lhs).group(1)
+    rhs = rhs.lstrip()
+    if rhs.startswith("("):  # a tuple type: no parentheses inside it
+        close = rhs.index(")") + 1
+        rtype, rest = rhs[:close], rhs[close:]
+    else:
+        rtype, _, rest = rhs.partition(" ")
+    m = re.match(r"\s*([a-z][\w\-]*)\(", rest)
+    if not m:
+        return name, rtype, "", []
+    depth, start = 0, m.end() - 1
+    for i in range(start, len(rest)):
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        if depth == 0:
+            return name, rtype, m.group(1), re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[start:i])
+    return name, rtype, m.group(1), []
+
+
+def _dot_flops(line: str, shapes: dict) -> float:
+    """2 x output elements x contracted size of a dot (or a cuBLAS GEMM custom call) on one line."""
+    _, rtype, _, ops = _parse(line)
+    out, _ = _shapes_bytes(rtype)
+    contract = _CONTRACT.search(line) or _CONTRACT_CFG.search(line)
+    if not out or not ops or not contract:
+        return 0.0
+    lhs = shapes.get(ops[0][0], ([], 0))[0]
+    if not lhs:
+        return 0.0
+    lhs_dims = [int(d) for d in re.findall(r"\[([\d,]*)\]", lhs[0])[0].split(",") if d]
+    k = 1
+    for d in re.findall(r"\d+", contract.group(1)):
+        k *= lhs_dims[int(d)]
+    n_out = 1
+    for d in filter(None, re.findall(r"\[([\d,]*)\]", out[0])[0].split(",")):
+        n_out *= int(d)
+    return 2.0 * n_out * k
+
+
+def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -> dict:
+    """Every kernel one execution of the compiled module launches, with its floor.
+
+    Returns {'kernels': [{name, category, calls, bytes, flops, floor_ms}] (per call figures, calls =
+    launches per step), 'categories': {category: {kernels, bytes, flops, floor_ms}} (per step), 'launches',
+    'unknown_trip_loops'}. Loop bodies count known_trip_count times (once if XLA does not know it)."""
+    comps, entry, comp = collections.defaultdict(list), None, None
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):  # a computation's header
+            m = re.match(r"(ENTRY\s+)?%?([\w.\-]+)", line)
+            comp = m.group(2)
+            entry = comp if m.group(1) else entry
+        elif line.startswith("  ") and comp is not None and "=" in line:
+            comps[comp].append(line)
+        elif line.startswith("}"):
+            comp = None
+    if entry is None:
+        raise ValueError("aot_report: the HLO text has no ENTRY computation")
+    shapes = {}
+    for lines in comps.values():
+        for line in lines:
+            name, rtype, _, _ = _parse(line)
+            shapes[name] = _shapes_bytes(rtype)
+    # Fused computations that only slice a parameter read the slices, not the whole operand.
+    sliced = {}
+    for c, lines in comps.items():
+        params, uses = {}, collections.defaultdict(list)
+        for line in lines:
+            name, rtype, op, operands = _parse(line)
+            if op == "parameter":
+                params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
+            for pos, (a, _) in enumerate(operands):
+                uses[a].append((op if pos == 0 else "", _shapes_bytes(rtype)[1]))
+        sliced[c] = {i: sum(b for _, b in uses[p]) for p, i in params.items()
+                     if uses[p] and all(op in ("dynamic-slice", "slice") for op, _ in uses[p])}
+    comp_ops = {c: " ".join(m.group(1) for m in map(_OP_NAME.search, lines) if m) for c, lines in comps.items()}
+    dots_in = {c: [ln for ln in lines if re.search(r"\sdot\(", ln)] for c, lines in comps.items()}
+    roots = {c: next((ln for ln in lines if ln.lstrip().startswith("ROOT")), "") for c, lines in comps.items()}
+
+    kernels, unknown = {}, 0
+
+    def walk(comp, mult):
+        nonlocal unknown
+        for line in comps.get(comp, []):
+            name, rtype, op, operands = _parse(line)
+            called = _CALLS.findall(line)
+            if op == "while":
+                trip = _TRIP.search(line)
+                unknown += trip is None
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                walk(body, mult * (int(trip.group(1)) if trip else 1))
+                continue
+            if op == "conditional":
+                for b in re.findall(r"%?([\w.\-]+)", _BRANCHES.search(line).group(1)):
+                    walk(b, mult)
+                continue
+            if op == "call":
+                for c in called:
+                    walk(c, mult)
+                continue
+            if op in _NO_KERNEL or not op:
+                continue
+            _, out_bytes = _shapes_bytes(rtype)
+            read = 0
+            only_slices = sliced.get(called[0], {}) if op == "fusion" and called else {}
+            for i, (a, idx) in enumerate(operands):
+                sh, b = shapes.get(a, ([], 0))
+                if i in only_slices:
+                    read += only_slices[i]
+                elif idx:
+                    read += _shapes_bytes(" ".join(sh[int(idx):int(idx) + 1]))[1]
+                elif len(sh) <= 1:
+                    read += b
+            moved = read + out_bytes
+            if "dynamic-update-slice" in " ".join(roots.get(c, "") for c in called) or op == "dynamic-update-slice":
+                moved = 2 * max(read - out_bytes, 0)  # in place: the updated buffer is neither read nor rewritten
+            flops = 0.0
+            if op == "custom-call" and "cublas" in line:
+                flops = _dot_flops(line, shapes)
+            for c in called:
+                flops += sum(_dot_flops(d, shapes) for d in dots_in.get(c, []))
+            triton = _TRITON_NAME.search(line)
+            label = triton.group(1) if triton else ("gemm" if flops else name)
+            lhs = shapes.get(operands[0][0], ([], 0))[0] if operands else []
+            if flops and lhs and lhs[0].startswith("f32["):
+                label = "sgemm"
+            context = " ".join([(_OP_NAME.search(line).group(1) if _OP_NAME.search(line) else "")]
+                               + [comp_ops.get(c, "") for c in called])
+            if op in ("copy", "transpose"):
+                label = f"{op} {label}"
+            floor_ms = 1e3 * max(moved / hbm_bytes_per_s, flops / peak_flops)
+            key = (name, comp)
+            k = kernels.setdefault(key, dict(name=label if triton else name, category=categorize(label, context),
+                                             calls=0, bytes=moved, flops=flops, floor_ms=floor_ms))
+            k["calls"] += mult
+
+    walk(entry, 1)
+    cats = {c: dict(kernels=0, bytes=0.0, flops=0.0, floor_ms=0.0) for c in CATEGORIES}
+    for k in kernels.values():
+        c = cats[k["category"]]
+        c["kernels"] += k["calls"]
+        c["bytes"] += k["bytes"] * k["calls"]
+        c["flops"] += k["flops"] * k["calls"]
+        c["floor_ms"] += k["floor_ms"] * k["calls"]
+    return dict(kernels=sorted(kernels.values(), key=lambda k: -k["floor_ms"] * k["calls"]),
+                categories=cats, launches=sum(k["calls"] for k in kernels.values()), unknown_trip_loops=unknown)
+
+
+def print_report(row: dict, top: int) -> None:
+    """Markdown: memory (when compiled here), launches, the floors per category and the largest kernels."""
+    fl = row["floors"]
+    if "memory_gib" in row:
+        mem = row["memory_gib"]
+        print(f"\n## {row['model']} x {row['tokens_per_step']} tokens ({row['target']}), compiled in "
+              f"{row['compile_s']:.0f} s")
+        print(f"memory GiB: total {mem['total']:.1f} of {row['target_gib']:.1f} (arguments {mem['arguments']:.1f}, "
+              f"temporaries {mem['temporaries']:.1f}, outputs {mem['outputs']:.1f}, donated {mem['donated']:.1f})")
+    else:
+        print(f"\n## {row['model']} ({row['target']})")
+    print(f"kernels per step: {fl['launches']}" + (f" ({fl['unknown_trip_loops']} loops of unknown trip count "
+                                                   "counted once)" if fl["unknown_trip_loops"] else ""))
+    total = sum(c["floor_ms"] for c in fl["categories"].values())
+    print("| category | kernels | GB moved | TFLOP | floor ms | share |\n|---|---|---|---|---|---|")
+    for name, c in sorted(fl["categories"].items(), key=lambda kv: -kv[1]["floor_ms"]):
+        if c["kernels"]:
+            print(f"| {name} | {c['kernels']} | {c['bytes'] / 1e9:.2f} | {c['flops'] / 1e12:.2f} | "
+                  f"{c['floor_ms']:.2f} | {c['floor_ms'] / total:.2f} |")
+    print(f"| total | {fl['launches']} | {sum(c['bytes'] for c in fl['categories'].values()) / 1e9:.2f} | "
+          f"{sum(c['flops'] for c in fl['categories'].values()) / 1e12:.2f} | {total:.2f} | 1.00 |")
+    print("\nlargest floors (per step = per call x calls):\n| kernel | category | calls | MB per call | "
+          "GFLOP per call | floor ms per step |\n|---|---|---|---|---|---|")
+    for k in fl["kernels"][:top]:
+        print(f"| {k['name']} | {k['category']} | {k['calls']} | {k['bytes'] / 1e6:.1f} | {k['flops'] / 1e9:.1f} | "
+              f"{k['floor_ms'] * k['calls']:.3f} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
+    p.add_argument("--models", default="k2:1024:12,k3:1024:12")
+    p.add_argument("--target", default="h200", help=f"one of {sorted(TARGETS)}")
+    p.add_argument("--seq_len", type=int, default=4096)
+    p.add_argument("--batches", default="8", help="comma-separated batch sizes (rows of seq_len tokens)")
+    p.add_argument("--remat", action="store_true", help="rematerialise each scanned layer group")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed by floor")
+    p.add_argument("--json", default="")
+    p.add_argument("--hlo_dir", default="", help="also write each compiled module's HLO text there")
+    p.add_argument("--analyse", default="", metavar="FILE.hlo",
+                   help="only read a module written by --hlo_dir (no compiler needed; no memory figures)")
+    a = p.parse_args(argv)
+    if a.target not in TARGETS:
+        raise SystemExit(f"aot_report: unknown --target {a.target!r}; expected one of {sorted(TARGETS)}")
+    t = TARGETS[a.target]
+    if a.analyse:
+        try:
+            text = open(a.analyse).read()
+        except OSError as err:
+            raise SystemExit(f"aot_report: cannot read --analyse file: {err}") from None
+        floors = kernel_floors(text, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
+        print_report(dict(model=a.analyse, target=a.target, floors=floors), a.top)
+        return [floors]
+    device = compile_only_device(a.target)
+    rows = []
+    for spec in filter(None, a.models.split(",")):
+        try:
+            style, d, layers = spec.split(":")
+            d, layers = int(d), int(layers)
+        except ValueError:
+            raise SystemExit(f"aot_report: --models entries are STYLE:D_MODEL:LAYERS; got {spec!r}") from None
+        for batch in (int(b) for b in a.batches.split(",") if b):
+            cfg = build_config(style, d, layers, a.seq_len, batch, a.remat, a.set)
+            compiled, seconds = compile_step(cfg, device)
+            hlo = compiled.as_text()
+            if a.hlo_dir:
+                os.makedirs(a.hlo_dir, exist_ok=True)
+                with open(os.path.join(a.hlo_dir, f"{style}_{d}_{layers}_b{batch}.hlo"), "w") as fh:
+                    fh.write(hlo)
+            floors = kernel_floors(hlo, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
+            row = dict(model=spec, target=a.target, target_gib=t["memory_bytes"] / 2 ** 30, seq_len=a.seq_len,
+                       batch=batch, tokens_per_step=batch * a.seq_len, remat=a.remat, sets=list(a.set),
+                       compile_s=seconds, memory_gib=memory_gib(compiled),
+                       floors=dict(floors, kernels=floors["kernels"][: max(a.top, 50)]), jax=jax.__version__)
+            rows.append(row)
+            print_report(row, a.top)
+            if a.json:
+                with open(a.json, "w") as fh:
+                    json.dump(dict(command="python -m experiments.aot_report " + " ".join(argv or os.sys.argv[1:]),
+                                   rows=rows), fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
