@@ -2,9 +2,12 @@
 
     python -m experiments.aot_report [--models=k2:1024:12,k3:1024:12] [--target=h200] [--seq_len=4096]
         [--batches=8] [--remat] [--set KEY=VALUE ...] [--top=12] [--json=FILE] [--hlo_dir=DIR]
+    python -m experiments.aot_report --decode --models=k3:1024:16,all_mla:1024:16 --contexts=4096,32768 --batches=8
+    python -m experiments.aot_report --analyse=FILE.hlo      # a module saved by --hlo_dir, read again
 
 XLA's GPU compiler runs here, on the CPU, for the target's device description (a compile-only device
-from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each model and batch size gets:
+from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each model and batch size (and
+with --decode, each context: one greedy step of `experiments.bench_decode`'s served model) gets:
 
 - memory: XLA's buffer assignment for the step (arguments + outputs + temporaries - donated), the
   figure that decides an out-of-memory error, against the target's memory;
@@ -17,8 +20,9 @@ from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each mode
 
 What it cannot know: kernels are not timed (no autotuning either, so XLA's GEMM choices can differ from
 a run on the device, and a sort falls back to a slower algorithm); Pallas kernels are opaque calls
-whose bytes are their operands and results. The step's Pallas kernels and backends are those of a GPU
-(`k3.backends.targeting('gpu')`, `K3_PALLAS_INTERPRET=0`).
+whose bytes are their operands and results (a kernel that reads part of an operand, like
+`pallas_kernels.moe_decode`'s routed experts, is charged the whole of it). The step's Pallas kernels
+and backends are those of a GPU (`k3.backends.targeting('gpu')`, `K3_PALLAS_INTERPRET=0`).
 
 Requirements: the CUDA plugin of jaxlib's version, kept outside the project's environment (see
 `pallas_kernels.compile_report`): `PYTHONPATH=/tmp/k3-triton python -m experiments.aot_report ...`.
@@ -33,16 +37,13 @@ import os
 import re
 import time
 
-# Before JAX starts: the CUDA plugin's start-up check needs a CUDA runtime, its compiler does not, and
-# the Pallas kernels must lower for the GPU, not run interpreted.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-os.environ["K3_PALLAS_INTERPRET"] = "0"
+import contextlib
 
-import jax  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from experiments.bench_train_step import build_config, synthetic_batch  # noqa: E402
-from experiments.profile_step import (  # noqa: E402
-    _CALLS, _OP_NAME, CATEGORIES, _shapes_bytes, categorize)
+from experiments.bench_train_step import build_config, synthetic_batch
+from experiments.profile_step import _CALLS, _OP_NAME, CATEGORIES, _shapes_bytes, categorize
 
 # Device descriptions (datasheet and driver-reported figures) of the GPUs a step can be compiled for.
 TARGETS = {
@@ -86,6 +87,23 @@ device_description_str: "{t['name']}"
 """
 
 
+@contextlib.contextmanager
+def _for_gpu():
+    """Trace for a GPU: 'auto' backends resolve as on a GPU and Pallas kernels lower (not interpreted)."""
+    from k3 import backends
+
+    before = os.environ.get("K3_PALLAS_INTERPRET")
+    os.environ["K3_PALLAS_INTERPRET"] = "0"
+    try:
+        with backends.targeting("gpu"):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("K3_PALLAS_INTERPRET")
+        else:
+            os.environ["K3_PALLAS_INTERPRET"] = before
+
+
 def compile_only_device(target: str):
     """A device of the target GPU that XLA compiles for but nothing runs on."""
     from jax.experimental import topologies
@@ -110,7 +128,6 @@ def compile_step(cfg, device):
     placed on ``device``; nothing is allocated."""
     from jax.sharding import SingleDeviceSharding
 
-    from k3 import backends
     from k3.steps import make_run
 
     where = SingleDeviceSharding(device)
@@ -122,10 +139,44 @@ def compile_step(cfg, device):
         return state
 
     t0 = time.perf_counter()
-    with backends.targeting("gpu"):
+    with _for_gpu():
         state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), jax.eval_shape(build))
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where) for k, v in synthetic_batch(cfg).items()}
         compiled = held["run"].train_step.lower(state, batch).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode: str = "auto",
+                        moe_decode: str = "auto"):
+    """(compiled step, seconds): one greedy decode step of `experiments.bench_decode`'s served model
+    (bf16 weights, layers unrolled, a cache holding ``context`` tokens), abstract and on ``device``."""
+    from jax.sharding import SingleDeviceSharding
+    from flax import nnx
+
+    from experiments.bench_decode import capacity, model_config
+    from k3 import decode
+    from k3.model import Model, unrolled
+
+    kind, d, layers = spec.split(":")
+    where = SingleDeviceSharding(device)
+    put = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
+    t0 = time.perf_counter()
+    with _for_gpu():
+        cfg = model_config(kind, int(d), int(layers), "bfloat16", mla_decode, moe_decode)
+        model = nnx.eval_shape(lambda: unrolled(Model(cfg, rngs=nnx.Rngs(0))))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = jax.tree.map(lambda x: put(jax.ShapeDtypeStruct(
+            x.shape, jnp.bfloat16 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)), params)
+        rest = jax.tree.map(put, rest)
+        cache = jax.tree.map(put, jax.eval_shape(lambda: decode.init_cache(
+            nnx.merge(graphdef, params, rest), batch, capacity(context))))
+
+        def step(params, rest, cache, tok):
+            logits, cache = decode.extend(nnx.merge(graphdef, params, rest), tok[:, None], cache)
+            return cache, jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+
+        tok = put(jax.ShapeDtypeStruct((batch,), jnp.int32))
+        compiled = jax.jit(step, donate_argnums=2).lower(params, rest, cache, tok).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -264,7 +315,8 @@ def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -
                 elif len(sh) <= 1:
                     read += b
             moved = read + out_bytes
-            if "dynamic-update-slice" in " ".join(roots.get(c, "") for c in called) or op == "dynamic-update-slice":
+            root_ops = " ".join(roots.get(c, "") for c in called)
+            if op in ("dynamic-update-slice", "scatter") or re.search(r"dynamic-update-slice\(|scatter\(", root_ops):
                 moved = 2 * max(read - out_bytes, 0)  # in place: the updated buffer is neither read nor rewritten
             flops = 0.0
             if op == "custom-call" and "cublas" in line:
@@ -303,8 +355,8 @@ def print_report(row: dict, top: int) -> None:
     fl = row["floors"]
     if "memory_gib" in row:
         mem = row["memory_gib"]
-        print(f"\n## {row['model']} x {row['tokens_per_step']} tokens ({row['target']}), compiled in "
-              f"{row['compile_s']:.0f} s")
+        print(f"\n## {row['model']} x {row['tokens_per_step']} tokens, context {row['seq_len']} ({row['target']}), "
+              f"compiled in {row['compile_s']:.0f} s")
         print(f"memory GiB: total {mem['total']:.1f} of {row['target_gib']:.1f} (arguments {mem['arguments']:.1f}, "
               f"temporaries {mem['temporaries']:.1f}, outputs {mem['outputs']:.1f}, donated {mem['donated']:.1f})")
     else:
@@ -327,6 +379,8 @@ def print_report(row: dict, top: int) -> None:
 
 
 def main(argv=None):
+    # The CUDA plugin's start-up check needs a CUDA runtime, its compiler does not (before JAX starts).
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__)
     p.add_argument("--models", default="k2:1024:12,k3:1024:12")
@@ -338,6 +392,12 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=12, help="kernels listed by floor")
     p.add_argument("--json", default="")
     p.add_argument("--hlo_dir", default="", help="also write each compiled module's HLO text there")
+    p.add_argument("--decode", action="store_true",
+                   help="compile one greedy decode step (experiments.bench_decode's served model; --models "
+                        "entries KIND:D_MODEL:LAYERS with KIND k3 or all_mla) instead of the train step")
+    p.add_argument("--contexts", default="4096", help="--decode: comma-separated cached context lengths")
+    p.add_argument("--mla_decode", default="auto", help="--decode: model.mla.decode_impl")
+    p.add_argument("--moe_decode", default="auto", help="--decode: model.moe.decode_impl")
     p.add_argument("--analyse", default="", metavar="FILE.hlo",
                    help="only read a module written by --hlo_dir (no compiler needed; no memory figures)")
     a = p.parse_args(argv)
@@ -360,17 +420,25 @@ def main(argv=None):
             d, layers = int(d), int(layers)
         except ValueError:
             raise SystemExit(f"aot_report: --models entries are STYLE:D_MODEL:LAYERS; got {spec!r}") from None
-        for batch in (int(b) for b in a.batches.split(",") if b):
-            cfg = build_config(style, d, layers, a.seq_len, batch, a.remat, a.set)
-            compiled, seconds = compile_step(cfg, device)
+        runs = [(b, c) for b in (int(x) for x in a.batches.split(",") if x)
+                for c in ([int(x) for x in a.contexts.split(",") if x] if a.decode else [a.seq_len])]
+        for batch, length in runs:
+            if a.decode:
+                compiled, seconds = compile_decode_step(spec, length, batch, device, a.mla_decode, a.moe_decode)
+                tag = f"{style}_{d}_{layers}_decode_b{batch}_c{length}"
+            else:
+                cfg = build_config(style, d, layers, length, batch, a.remat, a.set)
+                compiled, seconds = compile_step(cfg, device)
+                tag = f"{style}_{d}_{layers}_b{batch}"
             hlo = compiled.as_text()
             if a.hlo_dir:
                 os.makedirs(a.hlo_dir, exist_ok=True)
-                with open(os.path.join(a.hlo_dir, f"{style}_{d}_{layers}_b{batch}.hlo"), "w") as fh:
+                with open(os.path.join(a.hlo_dir, f"{tag}.hlo"), "w") as fh:
                     fh.write(hlo)
             floors = kernel_floors(hlo, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
-            row = dict(model=spec, target=a.target, target_gib=t["memory_bytes"] / 2 ** 30, seq_len=a.seq_len,
-                       batch=batch, tokens_per_step=batch * a.seq_len, remat=a.remat, sets=list(a.set),
+            row = dict(model=spec + (" decode" if a.decode else ""), target=a.target,
+                       target_gib=t["memory_bytes"] / 2 ** 30, seq_len=length, batch=batch,
+                       tokens_per_step=batch if a.decode else batch * length, remat=a.remat, sets=list(a.set),
                        compile_s=seconds, memory_gib=memory_gib(compiled),
                        floors=dict(floors, kernels=floors["kernels"][: max(a.top, 50)]), jax=jax.__version__)
             rows.append(row)

@@ -50,12 +50,12 @@ from k3.steps import make_run  # noqa: E402
 
 CATEGORIES = ("expert matmuls", "expert dispatch", "attention", "KDA", "AttnRes mixes", "optimizer",
               "fp32 matmuls", "dense matmuls", "copies/transposes", "norms/elementwise")
-_MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|\bdot\b|dot_general|ragged_dot|wgmma|sm90_")
+_MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|\bdot\b|dot_general|ragged_dot|wgmma|sm90_|moe_decode")
 _COPY = re.compile(r"memcpy|memset|\bcopy|transpose")
 # Library kernels (cuDNN, cuBLAS) run inside XLA's CUDA graphs carry no HLO op name in the trace, so
 # their names decide: cuDNN's fused attention, and fp32 (TF32) GEMMs, which in this train step are
 # Muon's Newton-Schulz products (the parameters and their updates are fp32; the model's matmuls bf16).
-_LIB_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop|flash_doc")
+_LIB_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop|flash_doc|mla_latent_decode")
 _LIB_FP32_GEMM = re.compile(r"f32f32_tf32|tf32f32|sgemm")
 
 

@@ -87,6 +87,10 @@ def default_config() -> ConfigDict:
     e.expert_impl = "auto"  # k3.moe.EXPERT_BACKENDS: 'auto' (capacity on GPU, ragged elsewhere), 'ragged'
     # (dropless), 'capacity' (expert_capacity x mean rows per expert, batched dense matmuls), 'dense'
     e.expert_capacity = 1.25  # 'capacity': rows per expert / (N k / E); routes past it are dropped
+    e.decode_impl = "auto"  # k3.moe.DECODE_EXPERTS, decoding with fewer routes than experts: 'auto'
+    # (= 'train', the training backend), 'gather' (routed weights gathered), 'pallas' (each route reads
+    # its expert's weights in place; pallas_kernels.moe_decode)
+
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
@@ -175,6 +179,7 @@ _TABLES = {
     "model.kda.impl": ("k3.kda.ops", "KDA_CORES"),
     "model.kda.conv_impl": ("k3.kda.layer", "CONV_BACKENDS"),
     "model.moe.expert_impl": ("k3.moe.layer", "EXPERT_BACKENDS"),
+    "model.moe.decode_impl": ("k3.moe.layer", "DECODE_EXPERTS"),
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
     "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),

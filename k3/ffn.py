@@ -36,6 +36,12 @@ def _glu_parts(g, u, kind, beta_gate, beta_up):
     raise ValueError(f"unknown activation {kind!r}; expected 'swiglu' or 'situ'")
 
 
+def glu_parts_output(gate, up, *, kind: str, beta_gate: float, beta_up: float):
+    """The gated activation alone, elementwise in the inputs' dtype (for kernels that apply it to
+    their own fp32 accumulators; `glu_activation` is the differentiable form)."""
+    return _glu_parts(gate, up, kind, beta_gate, beta_up)[0]
+
+
 # `jax.ad_checkpoint.checkpoint_name` of every gated activation's output, so a remat policy can keep
 # it (`k3.model.REMAT_POLICIES`'s 'dots_kernels_glu') rather than recompute it for the down
 # projection's weight gradient.

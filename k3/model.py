@@ -143,9 +143,10 @@ class DecoderLayer(nnx.Module):
         a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B, keep_inputs)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)
         x = attn_res.read(stream, self.ffn_mix)
-        f = self.ffn(self.ffn_norm(x))
         if self.ffn_kind == "moe":
-            f = f[0]
+            f = self.ffn(self.ffn_norm(x), decode=True)[0]
+        else:
+            f = self.ffn(self.ffn_norm(x))
         return attn_res.add_ffn(stream, f), cache
 
 

@@ -15,10 +15,21 @@ The routed experts' matmuls are an entry of `EXPERT_BACKENDS`, keyed by ``model.
               an expert's C (in token order) are dropped and counted; the experts then run as one
               batched dense matmul [E, C, W] x [E, W, F] (GPU default: cuBLAS at full rate);
   'dense'     every token through every expert and a one-hot pick: the simple test reference.
+
+Decoding (`MoE.__call__(..., decode=True)`, from `k3.decode`) sees a few tokens a step; with fewer
+routes than experts (N k < E) the routes' own experts are read instead, an entry of `DECODE_EXPERTS`
+keyed by ``model.moe.decode_impl``:
+  'train'     the training backend above (reads every expert's weights each step);
+  'gather'    each route's expert weights gathered by XLA, then per-route matrix-vector products
+              (the portable form; XLA writes the gathered weights and reads them again);
+  'pallas'    `pallas_kernels.moe_decode.routed_glu`: each route reads its expert's weights once
+              (widths that are not powers of two take 'gather'; interpreted off the GPU).
+'auto' is 'train' everywhere for now.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,7 +39,7 @@ from flax import nnx
 from k3.moe import balancing
 from k3.backends import Table, platform
 from k3.moe.expert_parallel import routed_experts_sharded
-from k3.ffn import GLUMLP, glu_activation
+from k3.ffn import GLUMLP, glu_activation, glu_parts_output
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder
 
@@ -147,6 +158,42 @@ def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, be
     return jnp.einsum("nke,ned->nkd", onehot, out), jnp.zeros((), jnp.int32)
 
 
+# 'auto' is 'train' until the Pallas entry is timed against it on a GPU (`experiments.bench_decode
+# --moe_decode=pallas`); what it saves is in bytes: `experiments.aot_report --decode`.
+DECODE_EXPERTS = Table("model.moe.decode_impl", default="train")
+DECODE_EXPERTS.register("train")(None)  # the training backend (`EXPERT_BACKENDS`) itself
+
+
+@DECODE_EXPERTS.register("gather")
+def gathered_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+    """Each route through its own expert, weights gathered per route: ([N, k, D] in x.dtype).
+
+    x: [N, D]; idx: [N, k]; weights [E, D, F] / [E, F, D]. Reads N k experts' weights (for decoding,
+    where N k < E), at the cost of writing and reading the gathered copy."""
+    N, k = idx_Nk.shape
+    flat = idx_Nk.reshape(-1)
+    x = jnp.repeat(x_ND, k, axis=0)
+    gate = jnp.einsum("rd,rdf->rf", x, w_gate_EDF[flat])
+    up = jnp.einsum("rd,rdf->rf", x, w_up_EDF[flat])
+    h = glu_activation(gate, up, activation, *betas)
+    return jnp.einsum("rf,rfd->rd", h, w_down_EFD[flat]).reshape(N, k, -1)
+
+
+@DECODE_EXPERTS.register("pallas")
+def pallas_routed_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+    """`gathered_experts` as `pallas_kernels.moe_decode.routed_glu` (each route reads its expert's
+    weights in place); widths that are not powers of two >= 16 take `gathered_experts`."""
+    from pallas_kernels.moe_decode import routed_glu, routed_glu_supported
+
+    _, D, F = w_gate_EDF.shape
+    if not routed_glu_supported(D, F):
+        return gathered_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas)
+    N, k = idx_Nk.shape
+    act = functools.partial(glu_parts_output, kind=activation, beta_gate=betas[0], beta_up=betas[1])
+    y = routed_glu(jnp.repeat(x_ND, k, axis=0), idx_Nk.reshape(-1), w_gate_EDF, w_up_EDF, w_down_EFD, act=act)
+    return y.reshape(N, k, -1)
+
+
 class MoE(nnx.Module):
     """Routed experts (+ optional latent projection) + shared experts. x: [B, T, D] -> [B, T, D]."""
 
@@ -162,6 +209,7 @@ class MoE(nnx.Module):
         self.activation, self.betas = cfg.activation, (cfg.situ_beta_gate, cfg.situ_beta_up)
         self.dtype = jnp.dtype(cfg.dtype)
         self.experts = EXPERT_BACKENDS.get(e.expert_impl)
+        self.decode_experts = DECODE_EXPERTS.get(e.decode_impl)
         self.expert_capacity = e.expert_capacity
         init = normal(cfg.init_std)
         self.router = param(rngs, init, (D, E), ("embed", "experts"))
@@ -190,8 +238,11 @@ class MoE(nnx.Module):
         weights = picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * self.scaling
         return idx, weights, scores, alpha
 
-    def __call__(self, x_BTD: jax.Array):
-        """y [B, T, D] and routing statistics {'load': [E] token counts, 'balance': see `stats`}."""
+    def __call__(self, x_BTD: jax.Array, decode: bool = False):
+        """y [B, T, D] and routing statistics {'load': [E] token counts, 'balance': see `stats`}.
+
+        decode: a decoding step (`k3.decode`): with fewer routes than experts the `DECODE_EXPERTS`
+        backend runs the routed experts."""
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D).astype(self.dtype)
         idx, weights, scores, alpha = self.route(x)
@@ -204,8 +255,12 @@ class MoE(nnx.Module):
         else:
             stats = self.stats(idx, scores, alpha)
             with jax.named_scope("routed_experts"):
-                out_NkL, dropped = self.experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas,
-                                                self.expert_capacity)
+                if decode and self.decode_experts is not None and idx.size < self.n_experts:
+                    out_NkL = self.decode_experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas)
+                    dropped = jnp.zeros((), jnp.int32)
+                else:
+                    out_NkL, dropped = self.experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas,
+                                                    self.expert_capacity)
             stats["dropped"] = dropped.astype(jnp.float32)
             y = jnp.einsum("nkl,nk->nl", out_NkL.astype(jnp.float32), weights)
         y = y.astype(self.dtype)

@@ -1,0 +1,121 @@
+"""Routed gated experts for a few tokens, reading only the experts the routes use, as Pallas kernels.
+
+What it computes. For R routes (token row, expert) with inputs x [R, D] and expert ids e [R],
+
+    h[r] = act(x[r] @ W_gate[e[r]], x[r] @ W_up[e[r]])      [F]
+    y[r] = h[r] @ W_down[e[r]]                               [D]
+
+with W_gate, W_up [E, D, F] and W_down [E, F, D], ``act`` a gated activation (fp32, elementwise).
+
+Why a kernel. In a decode step the MoE layers see a handful of tokens: at batch 8 with top-4 of 64
+experts, 32 routes. The training backends run every expert over padded rows ('capacity': one batched
+[E, C, D] x [E, D, F] matmul) and so read all E experts' weights each step; on an H200 that is
+3.1 GB of K3's 3.9 GB per-token floor at d_model 1024 (`experiments.aot_report --decode`). Reading
+only the routed experts moves R / E of that (4 / 64 at batch 1). Gathering the routed weights with
+XLA first (`k3.moe.layer`'s 'gather' decode backend) writes the gathered copy and reads it again.
+
+Design (Pallas Triton). Each route is a matrix-vector product, so there is nothing for tensor cores:
+  * gate/up: grid (R, F / block_f); program (r, j) loads e[r], then walks D in steps of block_d,
+    loading x[r, d-block] and the [block_d, block_f] tiles of W_gate[e[r]] and W_up[e[r]] (the expert
+    index is a scalar read inside the program: the Triton backend has no scalar prefetch), and keeps
+    two fp32 [block_f] accumulators; the activation is applied at the end and h stored in x's dtype
+    (as the training path's einsum output would be);
+  * down: grid (R, D / block_d); the same walk over F.
+  Products and sums are fp32 elementwise (a broadcast multiply and a column sum). Every weight byte
+  a route needs is read once per route; routes sharing an expert read it again (mostly from L2).
+  D and F must be powers of two >= 16 (block loads); `routed_glu_supported` says whether they are.
+The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import default_interpret, triton_params
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def routed_glu_supported(D: int, F: int) -> bool:
+    """Whether `routed_glu` takes experts of width D and hidden F (powers of two >= 16)."""
+    return _pow2(D) and _pow2(F)
+
+
+def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D):
+    r, j = pl.program_id(0), pl.program_id(1)
+    e = e_ref[r]
+    bf = h_ref.shape[-1]
+    cols = pl.ds(j * bf, bf)
+
+    def step(i, acc):
+        g, u = acc
+        rows = pl.ds(i * block_d, block_d)
+        x = x_ref[rows].astype(jnp.float32)[:, None]
+        g = g + jnp.sum(x * wg_ref[e, rows, cols].astype(jnp.float32), axis=0)
+        u = u + jnp.sum(x * wu_ref[e, rows, cols].astype(jnp.float32), axis=0)
+        return g, u
+
+    zero = jnp.zeros((bf,), jnp.float32)
+    g, u = lax.fori_loop(0, D // block_d, step, (zero, zero))
+    h_ref[...] = act(g, u).astype(h_ref.dtype)
+
+
+def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, block_f, F):
+    r, j = pl.program_id(0), pl.program_id(1)
+    e = e_ref[r]
+    bd = y_ref.shape[-1]
+    cols = pl.ds(j * bd, bd)
+
+    def step(i, acc):
+        rows = pl.ds(i * block_f, block_f)
+        h = h_ref[rows].astype(jnp.float32)[:, None]
+        return acc + jnp.sum(h * wd_ref[e, rows, cols].astype(jnp.float32), axis=0)
+
+    y = lax.fori_loop(0, F // block_f, step, jnp.zeros((bd,), jnp.float32))
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 64,
+               block_out: int = 128, num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
+    """y [R, D] (x's dtype): each route's gated FFN through its own expert (see the module docstring).
+
+    x: [R, D]; expert: [R] int; w_gate, w_up: [E, D, F]; w_down: [E, F, D]; act: (gate, up) fp32 [n]
+    -> [n], elementwise (e.g. SiTU-GLU); block_in: rows of a weight tile (the reduction step);
+    block_out: its columns (one program's outputs); num_stages: Triton's software pipelining of the
+    weight-tile loop (loads of the next tiles issued while the current ones are summed). An expert id outside [0, E) reads garbage (the
+    router never makes one)."""
+    R, D = x_RD.shape
+    E, _, F = w_gate_EDF.shape
+    if w_up_EDF.shape != (E, D, F) or w_down_EFD.shape != (E, F, D) or expert_R.shape != (R,):
+        raise ValueError(f"routed_glu: shapes x {x_RD.shape}, expert {expert_R.shape}, w_gate {w_gate_EDF.shape}, "
+                         f"w_up {w_up_EDF.shape}, w_down {w_down_EFD.shape} do not match")
+    if not routed_glu_supported(D, F):
+        raise ValueError(f"routed_glu: D = {D} and F = {F} must be powers of two >= 16")
+    interpret = default_interpret() if interpret is None else interpret
+    bf, bd_in = min(block_out, F), min(block_in, D)
+    bd, bf_in = min(block_out, D), min(block_in, F)
+    expert = expert_R.astype(jnp.int32)
+    whole = lambda shape: pl.BlockSpec(shape, lambda r, j: (0,) * len(shape))  # noqa: E731
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, act=act, block_d=bd_in, D=D),
+        grid=(R, F // bf),
+        in_specs=[whole((R,)), pl.BlockSpec((None, D), lambda r, j: (r, 0)), whole((E, D, F)), whole((E, D, F))],
+        out_specs=pl.BlockSpec((None, bf), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((R, F), x_RD.dtype), interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_gate_up",
+    )(expert, x_RD, w_gate_EDF, w_up_EDF)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, block_f=bf_in, F=F),
+        grid=(R, D // bd),
+        in_specs=[whole((R,)), pl.BlockSpec((None, F), lambda r, j: (r, 0)), whole((E, F, D))],
+        out_specs=pl.BlockSpec((None, bd), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((R, D), x_RD.dtype), interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_down",
+    )(expert, h, w_down_EFD)

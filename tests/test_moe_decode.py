@@ -1,0 +1,118 @@
+"""Decoding's routed experts (`k3.moe.layer.DECODE_EXPERTS`, `pallas_kernels.moe_decode`) against a
+float64 per-route loop and the training backends: awkward sizes, bf16; the kernel is interpreted on a
+CPU and compiled on a GPU (`pallas_kernels.common.default_interpret`)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_model_cfg
+from k3 import decode
+from k3.ffn import glu_parts_output
+from k3.model import Model
+from k3.moe.layer import DECODE_EXPERTS, MoE, dense_experts, gathered_experts, pallas_routed_experts
+from pallas_kernels.moe_decode import routed_glu
+
+BETAS = (4.0, 25.0)
+
+
+def _weights(rng, E, D, F, scale=0.3):
+    return (rng.normal(size=(E, D, F)) * scale, rng.normal(size=(E, D, F)) * scale, rng.normal(size=(E, F, D)) * scale)
+
+
+def _loop64(x, experts, wg, wu, wd, kind):
+    """Per route, in float64: act(x W_gate[e], x W_up[e]) W_down[e]."""
+    out = []
+    for xr, e in zip(np.asarray(x, np.float64), experts):
+        g, u = xr @ wg[e], xr @ wu[e]
+        h = np.asarray(glu_parts_output(jnp.asarray(g), jnp.asarray(u), kind=kind, beta_gate=BETAS[0],
+                                        beta_up=BETAS[1]), np.float64)
+        out.append(h @ wd[e])
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("R,E,D,F,block_in,block_out", [(1, 5, 16, 16, 64, 128), (7, 3, 64, 32, 16, 16),
+                                                          (12, 9, 32, 128, 32, 64)])
+@pytest.mark.parametrize("kind", ["situ", "swiglu"])
+def test_routed_glu_kernel_against_float64(R, E, D, F, block_in, block_out, kind, x64):
+    rng = np.random.default_rng(R * 100 + E)
+    x = rng.normal(size=(R, D))
+    experts = rng.integers(0, E, R)
+    experts[: R // 2] = E - 1  # routes sharing an expert
+    wg, wu, wd = _weights(rng, E, D, F)
+    act = functools.partial(glu_parts_output, kind=kind, beta_gate=BETAS[0], beta_up=BETAS[1])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = routed_glu(f32(x), jnp.asarray(experts), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
+                     block_out=block_out)
+    want = _loop64(x, experts, wg, wu, wd, kind)
+    assert got.dtype == jnp.float32
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+    # bf16 operands: fp32 accumulation, the hidden and the output rounded to bf16.
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    got16 = routed_glu(bf(x), jnp.asarray(experts), bf(wg), bf(wu), bf(wd), act=act)
+    assert got16.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(got16, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def test_routed_glu_rejects_bad_shapes():
+    act = functools.partial(glu_parts_output, kind="swiglu", beta_gate=4.0, beta_up=25.0)
+    w = jnp.zeros((3, 24, 16))
+    with pytest.raises(ValueError, match="powers of two"):
+        routed_glu(jnp.zeros((2, 24)), jnp.zeros((2,), jnp.int32), w, w, jnp.zeros((3, 16, 24)), act=act,
+                   interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        routed_glu(jnp.zeros((2, 16)), jnp.zeros((3,), jnp.int32), jnp.zeros((3, 16, 16)), jnp.zeros((3, 16, 16)),
+                   jnp.zeros((3, 16, 16)), act=act, interpret=True)
+
+
+@pytest.mark.parametrize("D", [32, 24])  # 24: not a power of two, the Pallas entry takes the gather form
+def test_decode_backends_equal_the_dense_reference(D):
+    rng = np.random.default_rng(D)
+    N, k, E, F = 3, 2, 8, 16
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, E, (N, k)))
+    ws = [jnp.asarray(w, jnp.float32) for w in _weights(rng, E, D, F)]
+    ref, _ = dense_experts(x, idx, *ws, "situ", BETAS)
+    for fn in (gathered_experts, pallas_routed_experts):
+        np.testing.assert_allclose(fn(x, idx, *ws, "situ", BETAS), ref, rtol=2e-5, atol=2e-5)
+    assert DECODE_EXPERTS.resolve("auto", "gpu") == DECODE_EXPERTS.resolve("auto", "cpu") == "train"
+
+
+@pytest.mark.parametrize("impl", ["gather", "pallas"])
+def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
+    cfg = tiny_model_cfg(**{"moe.decode_impl": impl})
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    calls = []
+    inner = moe.decode_experts
+    moe.decode_experts = lambda *a: calls.append(a[1].shape) or inner(*a)
+    E, k = cfg.moe.n_experts, cfg.moe.top_k
+    few = jax.random.normal(jax.random.key(1), (1, max(1, (E - 1) // k), cfg.d_model))
+    y_dec, _ = moe(few, decode=True)
+    y_train, _ = moe(few)
+    np.testing.assert_allclose(y_dec, y_train, rtol=2e-5, atol=2e-5)
+    many = jax.random.normal(jax.random.key(2), (2, E, cfg.d_model))
+    moe(many, decode=True)  # N k >= E: the training backend
+    assert calls == [(few.shape[1], k)]
+
+
+def test_model_decode_with_routed_experts_equals_the_training_backend():
+    """Greedy token-by-token decoding of a tiny K3 (latent MoE, SiTU) with 'pallas' and 'gather'
+    routed experts gives the logits of the training backend ('train')."""
+    def run(impl):
+        model = Model(tiny_model_cfg(n_layers=5, first_k_dense=1, **{"moe.decode_impl": impl}), rngs=nnx.Rngs(3))
+        ext = jax.jit(lambda t, c: decode.extend(model, t, c))
+        toks = jax.random.randint(jax.random.key(4), (2, 6), 0, 97)
+        cache = decode.init_cache(model, 2, 16)
+        out = []
+        for i in range(6):
+            lg, cache = ext(toks[:, i:i + 1], cache)
+            out.append(lg)
+        return np.asarray(jnp.concatenate(out, axis=1))
+
+    want = run("train")
+    for impl in ("gather", "pallas"):
+        np.testing.assert_allclose(run(impl), want, rtol=1e-4, atol=1e-4)
