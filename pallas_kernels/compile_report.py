@@ -3,6 +3,8 @@
     python -m pallas_kernels.compile_report [--kernels=kda] [--shape=8x4096x16x128]
         [--variants=32:bfloat16] [--launch=pairs_bwd=8/1,...] [--backward=auto|fused|split]
         [--arch=9.0] [--json=FILE]
+    python -m pallas_kernels.compile_report --model=k3:1024:12 --remat [--seq_len=4096 --batch=8]
+        [--set KEY=VALUE ...]          # every Pallas kernel of that train step
 
 Each `pallas_call` of the traced function is lowered to its Triton module, compiled to PTX by XLA's
 own Triton (the compilation handler of the CUDA plugin that matches the installed jaxlib), and the
@@ -157,15 +159,22 @@ def compile_kernel(kernel: TritonKernel, *, arch: str = "9.0", ptxas: str = "") 
 
 
 def report(fn, *args, arch: str = "9.0", ptxas: str = "") -> list[dict]:
-    """One row per Pallas Triton kernel of `fn(*args)` (see `compile_kernel`); duplicates (the same
-    module and launch lowered twice, e.g. a forward kernel under remat) are reported once."""
+    """One row per distinct Pallas Triton kernel of `fn(*args)` (see `compile_kernel`), in lowering
+    order; ``count`` says how many of its calls compiled to the same figures (e.g. a layer's kernel in
+    every scanned group, or a forward kernel run again under remat)."""
     _require_compiler()
-    rows, seen = [], set()
+    rows, seen, by_stats = [], {}, {}
     for kernel in capture_triton_kernels(fn, *args):
         key = (kernel.name, kernel.module, kernel.num_warps, kernel.num_stages)
         if key not in seen:
-            seen.add(key)
-            rows.append(compile_kernel(kernel, arch=arch, ptxas=ptxas))
+            seen[key] = compile_kernel(kernel, arch=arch, ptxas=ptxas)
+        row = seen[key]
+        stats = tuple(sorted((k, v) for k, v in row.items() if k != "ptx_lines"))
+        if stats in by_stats:
+            by_stats[stats]["count"] += 1
+        else:
+            by_stats[stats] = dict(row, count=1)
+            rows.append(by_stats[stats])
     return rows
 
 
@@ -192,11 +201,38 @@ def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki:
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), (x, x, x, g, beta)
 
 
+def train_step_kernels(spec: str, seq_len: int, batch: int, remat: bool, sets=()):
+    """(fn, args): the train step of `experiments.bench_train_step`'s config STYLE:D_MODEL:LAYERS as
+    traced for a GPU (its 'auto' backends and Pallas kernels), with abstract state and batch."""
+    from experiments.aot_report import _for_gpu
+    from experiments.bench_train_step import build_config, synthetic_batch
+    from k3.steps import make_run
+
+    style, d, layers = spec.split(":")
+    held = {}
+    with _for_gpu():
+        cfg = build_config(style, int(d), int(layers), seq_len, batch, remat, sets)
+
+        def build():
+            run, state = make_run(cfg)
+            held["run"] = run
+            return state
+
+        state = jax.eval_shape(build)
+    batch_ = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in synthetic_batch(cfg).items()}
+
+    def step(state, batch):
+        with _for_gpu():
+            return held["run"].train_step(state, batch)
+
+    return step, (state, batch_)
+
+
 def print_table(rows: list[dict], label: str = "") -> None:
-    print("| variant | kernel | warps/stages | registers | spill store/load B | smem KiB | wgmma | mma |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| variant | kernel | lowered | warps/stages | registers | spill store/load B | smem KiB | wgmma | mma |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {label} | {r['kernel']} | {r['warps']}/{r['stages']} | {r['registers']} | "
+        print(f"| {label} | {r['kernel']} | {r.get('count', 1)} | {r['warps']}/{r['stages']} | {r['registers']} | "
               f"{r['spill_store_bytes']}/{r['spill_load_bytes']} | {r['smem_bytes'] / 1024:.0f} | "
               f"{r['wgmma']}{' (serialised)' if r['wgmma_serialized'] else ''} | {r['mma']} |", flush=True)
 
@@ -205,9 +241,17 @@ def main(argv=None):
     from pallas_kernels import kda as P
     from pallas_kernels.bench_kda_split import parse_launch
 
+    # The CUDA plugin's start-up check needs a CUDA runtime; its Triton compiler does not.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--kernels", default="kda", choices=("kda",))
+    ap.add_argument("--model", default="", metavar="STYLE:D_MODEL:LAYERS",
+                    help="instead: every Pallas kernel of that train step (experiments.bench_train_step's config)")
+    ap.add_argument("--seq_len", type=int, default=4096, help="--model: tokens per row")
+    ap.add_argument("--batch", type=int, default=8, help="--model: rows per step")
+    ap.add_argument("--remat", action="store_true", help="--model: rematerialise each scanned layer group")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--model: config override")
     ap.add_argument("--shape", default="8x4096x16x128", help="B x T x H x K (K = V)")
     ap.add_argument("--variants", default="32:bfloat16",
                     help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp]]], as bench_kda_split")
@@ -222,7 +266,12 @@ def main(argv=None):
         raise SystemExit(f"--shape must be B x T x H x K; got {a.shape!r}")
     out = dict(command="python -m pallas_kernels.compile_report " + " ".join(sys.argv[1:] if argv is None else argv),
                jax=jax.__version__, arch=a.arch, shape=shape, variants={})
-    for variant in filter(None, a.variants.split(",")):
+    if a.model:
+        fn, args = train_step_kernels(a.model, a.seq_len, a.batch, a.remat, a.set)
+        rows = report(fn, *args, arch=a.arch, ptxas=a.ptxas)
+        print_table(rows, a.model)
+        out["variants"][a.model] = rows
+    for variant in filter(None, a.variants.split(",") if not a.model else []):
         chunk, dtype, *blocks = variant.split(":")
         fn, args = kda_forward_backward(shape, int(chunk), dtype, *(int(b) for b in blocks), launch=a.launch,
                                         backward=a.backward)
