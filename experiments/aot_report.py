@@ -4,6 +4,7 @@
         [--batches=8] [--remat] [--set KEY=VALUE ...] [--top=12] [--json=FILE] [--hlo_dir=DIR]
     python -m experiments.aot_report --decode --models=k3:1024:16,all_mla:1024:16 --contexts=4096,32768 --batches=8
     python -m experiments.aot_report --analyse=FILE.hlo      # a module saved by --hlo_dir, read again
+    python -m experiments.aot_report --registers --models=k3:1024:12 --remat ...   # each Pallas kernel's registers
 
 XLA's GPU compiler runs here, on the CPU, for the target's device description (a compile-only device
 from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each model and batch size (and
@@ -178,6 +179,31 @@ def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode:
         tok = put(jax.ShapeDtypeStruct((batch,), jnp.int32))
         compiled = jax.jit(step, donate_argnums=2).lower(params, rest, cache, tok).compile()
     return compiled, time.perf_counter() - t0
+
+
+def train_step_kernels(spec: str, seq_len: int, batch: int, remat: bool, sets=()):
+    """(fn, args): the train step of `experiments.bench_train_step`'s config STYLE:D_MODEL:LAYERS as
+    traced for a GPU (its 'auto' backends and Pallas kernels), with abstract state and batch."""
+    from k3.steps import make_run
+
+    style, d, layers = spec.split(":")
+    held = {}
+    with _for_gpu():
+        cfg = build_config(style, int(d), int(layers), seq_len, batch, remat, sets)
+
+        def build():
+            run, state = make_run(cfg)
+            held["run"] = run
+            return state
+
+        state = jax.eval_shape(build)
+    batch_ = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in synthetic_batch(cfg).items()}
+
+    def step(state, batch):
+        with _for_gpu():
+            return held["run"].train_step(state, batch)
+
+    return step, (state, batch_)
 
 
 def memory_gib(compiled) -> dict:
@@ -398,6 +424,9 @@ def main(argv=None):
     p.add_argument("--contexts", default="4096", help="--decode: comma-separated cached context lengths")
     p.add_argument("--mla_decode", default="auto", help="--decode: model.mla.decode_impl")
     p.add_argument("--moe_decode", default="auto", help="--decode: model.moe.decode_impl")
+    p.add_argument("--registers", action="store_true",
+                   help="instead of XLA's compile: registers and spills of every Pallas kernel of each train "
+                        "step (pallas_kernels.compile_report; needs a ptxas too)")
     p.add_argument("--analyse", default="", metavar="FILE.hlo",
                    help="only read a module written by --hlo_dir (no compiler needed; no memory figures)")
     a = p.parse_args(argv)
@@ -412,6 +441,21 @@ def main(argv=None):
         floors = kernel_floors(text, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
         print_report(dict(model=a.analyse, target=a.target, floors=floors), a.top)
         return [floors]
+    if a.registers:
+        from pallas_kernels import compile_report
+
+        out = {}
+        for spec in filter(None, a.models.split(",")):
+            for batch in (int(b) for b in a.batches.split(",") if b):
+                fn, args = train_step_kernels(spec, a.seq_len, batch, a.remat, a.set)
+                out[f"{spec} x {batch}"] = rows = compile_report.report(fn, *args, arch=".".join(
+                    str(x) for x in t["compute_capability"]))
+                compile_report.print_table(rows, spec)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(dict(command="python -m experiments.aot_report " + " ".join(argv or os.sys.argv[1:]),
+                               jax=jax.__version__, kernels=out), fh, indent=1)
+        return out
     device = compile_only_device(a.target)
     rows = []
     for spec in filter(None, a.models.split(",")):

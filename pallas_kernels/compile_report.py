@@ -3,8 +3,8 @@
     python -m pallas_kernels.compile_report [--kernels=kda] [--shape=8x4096x16x128]
         [--variants=32:bfloat16] [--launch=pairs_bwd=8/1,...] [--backward=auto|fused|split]
         [--arch=9.0] [--json=FILE]
-    python -m pallas_kernels.compile_report --model=k3:1024:12 --remat [--seq_len=4096 --batch=8]
-        [--set KEY=VALUE ...]          # every Pallas kernel of that train step
+
+Every Pallas kernel of a whole train step: `python -m experiments.aot_report --registers ...`.
 
 Each `pallas_call` of the traced function is lowered to its Triton module, compiled to PTX by XLA's
 own Triton (the compilation handler of the CUDA plugin that matches the installed jaxlib), and the
@@ -201,33 +201,6 @@ def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki:
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), (x, x, x, g, beta)
 
 
-def train_step_kernels(spec: str, seq_len: int, batch: int, remat: bool, sets=()):
-    """(fn, args): the train step of `experiments.bench_train_step`'s config STYLE:D_MODEL:LAYERS as
-    traced for a GPU (its 'auto' backends and Pallas kernels), with abstract state and batch."""
-    from experiments.aot_report import _for_gpu
-    from experiments.bench_train_step import build_config, synthetic_batch
-    from k3.steps import make_run
-
-    style, d, layers = spec.split(":")
-    held = {}
-    with _for_gpu():
-        cfg = build_config(style, int(d), int(layers), seq_len, batch, remat, sets)
-
-        def build():
-            run, state = make_run(cfg)
-            held["run"] = run
-            return state
-
-        state = jax.eval_shape(build)
-    batch_ = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in synthetic_batch(cfg).items()}
-
-    def step(state, batch):
-        with _for_gpu():
-            return held["run"].train_step(state, batch)
-
-    return step, (state, batch_)
-
-
 def print_table(rows: list[dict], label: str = "") -> None:
     print("| variant | kernel | lowered | warps/stages | registers | spill store/load B | smem KiB | wgmma | mma |\n"
           "|---|---|---|---|---|---|---|---|---|")
@@ -246,12 +219,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--kernels", default="kda", choices=("kda",))
-    ap.add_argument("--model", default="", metavar="STYLE:D_MODEL:LAYERS",
-                    help="instead: every Pallas kernel of that train step (experiments.bench_train_step's config)")
-    ap.add_argument("--seq_len", type=int, default=4096, help="--model: tokens per row")
-    ap.add_argument("--batch", type=int, default=8, help="--model: rows per step")
-    ap.add_argument("--remat", action="store_true", help="--model: rematerialise each scanned layer group")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--model: config override")
     ap.add_argument("--shape", default="8x4096x16x128", help="B x T x H x K (K = V)")
     ap.add_argument("--variants", default="32:bfloat16",
                     help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp]]], as bench_kda_split")
@@ -266,12 +233,7 @@ def main(argv=None):
         raise SystemExit(f"--shape must be B x T x H x K; got {a.shape!r}")
     out = dict(command="python -m pallas_kernels.compile_report " + " ".join(sys.argv[1:] if argv is None else argv),
                jax=jax.__version__, arch=a.arch, shape=shape, variants={})
-    if a.model:
-        fn, args = train_step_kernels(a.model, a.seq_len, a.batch, a.remat, a.set)
-        rows = report(fn, *args, arch=a.arch, ptxas=a.ptxas)
-        print_table(rows, a.model)
-        out["variants"][a.model] = rows
-    for variant in filter(None, a.variants.split(",") if not a.model else []):
+    for variant in filter(None, a.variants.split(",")):
         chunk, dtype, *blocks = variant.split(":")
         fn, args = kda_forward_backward(shape, int(chunk), dtype, *(int(b) for b in blocks), launch=a.launch,
                                         backward=a.backward)
