@@ -5,6 +5,7 @@
     python -m experiments.aot_report --decode --models=k3:1024:16,all_mla:1024:16 --contexts=4096,32768 --batches=8
     python -m experiments.aot_report --analyse=FILE.hlo      # a module saved by --hlo_dir, read again
     python -m experiments.aot_report --registers --models=k3:1024:12 --remat ...   # each Pallas kernel's registers
+    python -m experiments.aot_report --ladder=experiments/configs/ladder_1e16.py --arms=k2,k3 --jobs=main,sweep
 
 XLA's GPU compiler runs here, on the CPU, for the target's device description (a compile-only device
 from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each model and batch size (and
@@ -404,6 +405,43 @@ def print_report(row: dict, top: int) -> None:
               f"{k['floor_ms'] * k['calls']:.3f} |")
 
 
+def ladder_floors(a, t: dict) -> list[dict]:
+    """One row per (arm, size) of a ladder's planned runs: memory, kernels per step, the step's floor,
+    and the summed floor of the planned runs at that size (steps x floor; branches not included)."""
+    from experiments.run_ladder import LadderError, load_ladder, plan_runs
+
+    try:
+        ladder = load_ladder(a.ladder)
+        runs = plan_runs(ladder, arms=[x for x in a.arms.split(",") if x] or None,
+                         jobs=[j for j in a.jobs.split(",") if j])
+    except LadderError as err:
+        raise SystemExit(f"aot_report: {err}") from None
+    device = compile_only_device(a.target)
+    rows, by_shape = [], {}
+    for run in runs:
+        by_shape.setdefault((run["arm"], run["size"]), []).append(run)
+    print("| arm | size | runs | steps | GiB | kernels/step | floor ms/step | runs' floor s |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for (arm, size), group in by_shape.items():
+        compiled, seconds = compile_step(group[0]["cfg"], device)
+        floors = kernel_floors(compiled.as_text(), hbm_bytes_per_s=t["hbm_bytes_per_s"],
+                               peak_flops=t["peak_bf16_flops"])
+        step_ms = sum(c["floor_ms"] for c in floors["categories"].values())
+        steps = sum(r["steps"] for r in group)
+        row = dict(arm=arm, size=size, runs=len(group), steps=steps, compile_s=seconds,
+                   memory_gib=memory_gib(compiled), launches=floors["launches"], floor_ms_per_step=step_ms,
+                   floor_s=steps * step_ms / 1e3, categories=floors["categories"])
+        rows.append(row)
+        print(f"| {arm} | {size} | {len(group)} | {steps} | {row['memory_gib']['total']:.1f} | {floors['launches']} | "
+              f"{step_ms:.2f} | {row['floor_s']:.0f} |", flush=True)
+    print(f"total floor of the planned runs: {sum(r['floor_s'] for r in rows):.0f} s")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(command="python -m experiments.aot_report " + " ".join(os.sys.argv[1:]), rows=rows), fh,
+                      indent=1)
+    return rows
+
+
 def main(argv=None):
     # The CUDA plugin's start-up check needs a CUDA runtime, its compiler does not (before JAX starts).
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -424,6 +462,11 @@ def main(argv=None):
     p.add_argument("--contexts", default="4096", help="--decode: comma-separated cached context lengths")
     p.add_argument("--mla_decode", default="auto", help="--decode: model.mla.decode_impl")
     p.add_argument("--moe_decode", default="auto", help="--decode: model.moe.decode_impl")
+    p.add_argument("--ladder", default="", metavar="FILE.py",
+                   help="instead of --models: each (arm, size) of that ladder file's planned runs "
+                        "(experiments.run_ladder), with each run's steps x floor: the device time it cannot beat")
+    p.add_argument("--arms", default="", help="--ladder: comma-separated arms (default all)")
+    p.add_argument("--jobs", default="main", help="--ladder: comma-separated run_ladder jobs to plan")
     p.add_argument("--registers", action="store_true",
                    help="instead of XLA's compile: registers and spills of every Pallas kernel of each train "
                         "step (pallas_kernels.compile_report; needs a ptxas too)")
@@ -456,6 +499,8 @@ def main(argv=None):
                 json.dump(dict(command="python -m experiments.aot_report " + " ".join(argv or os.sys.argv[1:]),
                                jax=jax.__version__, kernels=out), fh, indent=1)
         return out
+    if a.ladder:
+        return ladder_floors(a, t)
     device = compile_only_device(a.target)
     rows = []
     for spec in filter(None, a.models.split(",")):

@@ -110,3 +110,12 @@ def test_analyse_a_saved_module(tmp_path, capsys):
     assert floors["launches"] == 14 and "kernels per step: 14" in out and "| KDA | 4 |" in out
     with pytest.raises(SystemExit, match="cannot read --analyse file"):
         A.main([f"--analyse={tmp_path / 'missing.hlo'}"])
+
+
+def test_ladder_mode_names_a_bad_ladder_or_arm_before_compiling(tmp_path):
+    with pytest.raises(SystemExit, match="no such file"):
+        A.main([f"--ladder={tmp_path / 'none.py'}"])
+    with pytest.raises(SystemExit, match="not in the ladder's arms|unknown"):
+        A.main(["--ladder=experiments/configs/ladder_1e16.py", "--arms=k9"])
+    with pytest.raises(SystemExit, match="unknown job"):
+        A.main(["--ladder=experiments/configs/ladder_1e16.py", "--jobs=mains"])
