@@ -40,7 +40,7 @@ def platform() -> str:
 @contextlib.contextmanager
 def targeting(where: str):
     """Resolve 'auto' (and check platform-only entries) for ``where`` instead of this process's
-    backend, e.g. to compile a GPU step ahead of time on a CPU host (`experiments.compile_step`)."""
+    backend, e.g. to compile a GPU step ahead of time on a CPU host (`experiments.aot_report`)."""
     if where not in ("gpu", "tpu", "cpu"):
         raise BackendError(f"unknown platform {where!r}; expected 'gpu', 'tpu' or 'cpu'")
     _TARGET.append(where)

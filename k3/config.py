@@ -91,7 +91,6 @@ def default_config() -> ConfigDict:
     # (= 'train', the training backend), 'gather' (routed weights gathered), 'pallas' (each route reads
     # its expert's weights in place; pallas_kernels.moe_decode)
 
-
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
     o.lr = 3e-3

@@ -159,7 +159,7 @@ def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, be
 
 
 # 'auto' is 'train' until the Pallas entry is timed against it on a GPU (`experiments.bench_decode
-# --moe_decode=pallas`); what it saves is in bytes: `experiments.aot_report --decode`.
+# --moe_decode=pallas`); `experiments.aot_report --decode --moe_decode=pallas` shows the compiled step.
 DECODE_EXPERTS = Table("model.moe.decode_impl", default="train")
 DECODE_EXPERTS.register("train")(None)  # the training backend (`EXPERT_BACKENDS`) itself
 
