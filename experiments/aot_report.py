@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench_train_step import build_config, synthetic_batch
-from experiments.profile_step import _CALLS, _OP_NAME, CATEGORIES, _shapes_bytes, categorize
+from experiments.profile_step import _CALLS, _OP_NAME, CATEGORIES, _instructions, _shapes_bytes, categorize
 
 # Device descriptions (datasheet and driver-reported figures) of the GPUs a step can be compiled for.
 TARGETS = {
@@ -125,14 +125,11 @@ def compile_only_device(target: str):
     return topo.devices[0]
 
 
-def compile_step(cfg, device):
-    """(compiled train step, seconds): `k3.steps.make_run`'s step lowered with abstract state and batch
-    placed on ``device``; nothing is allocated."""
-    from jax.sharding import SingleDeviceSharding
-
+def abstract_train_step(cfg, where=None):
+    """(train step traced for a GPU, abstract state, abstract batch) of `k3.steps.make_run` for
+    ``cfg``; nothing is allocated. ``where``: a sharding to place the abstract arrays on."""
     from k3.steps import make_run
 
-    where = SingleDeviceSharding(device)
     held = {}
 
     def build():
@@ -140,11 +137,25 @@ def compile_step(cfg, device):
         held["run"] = run
         return state
 
-    t0 = time.perf_counter()
+    put = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
     with _for_gpu():
-        state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), jax.eval_shape(build))
-        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where) for k, v in synthetic_batch(cfg).items()}
-        compiled = held["run"].train_step.lower(state, batch).compile()
+        state = jax.tree.map(put, jax.eval_shape(build))
+    batch = {k: put(v) for k, v in synthetic_batch(cfg).items()}
+
+    def step(state, batch):
+        with _for_gpu():
+            return held["run"].train_step(state, batch)
+
+    return step, state, batch
+
+
+def compile_step(cfg, device):
+    """(compiled train step, seconds): `abstract_train_step` placed on ``device`` and compiled."""
+    from jax.sharding import SingleDeviceSharding
+
+    t0 = time.perf_counter()
+    step, state, batch = abstract_train_step(cfg, SingleDeviceSharding(device))
+    compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -180,31 +191,6 @@ def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode:
         tok = put(jax.ShapeDtypeStruct((batch,), jnp.int32))
         compiled = jax.jit(step, donate_argnums=2).lower(params, rest, cache, tok).compile()
     return compiled, time.perf_counter() - t0
-
-
-def train_step_kernels(spec: str, seq_len: int, batch: int, remat: bool, sets=()):
-    """(fn, args): the train step of `experiments.bench_train_step`'s config STYLE:D_MODEL:LAYERS as
-    traced for a GPU (its 'auto' backends and Pallas kernels), with abstract state and batch."""
-    from k3.steps import make_run
-
-    style, d, layers = spec.split(":")
-    held = {}
-    with _for_gpu():
-        cfg = build_config(style, int(d), int(layers), seq_len, batch, remat, sets)
-
-        def build():
-            run, state = make_run(cfg)
-            held["run"] = run
-            return state
-
-        state = jax.eval_shape(build)
-    batch_ = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in synthetic_batch(cfg).items()}
-
-    def step(state, batch):
-        with _for_gpu():
-            return held["run"].train_step(state, batch)
-
-    return step, (state, batch_)
 
 
 def memory_gib(compiled) -> dict:
@@ -274,16 +260,11 @@ def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -
     Returns {'kernels': [{name, category, calls, bytes, flops, floor_ms}] (per call figures, calls =
     launches per step), 'categories': {category: {kernels, bytes, flops, floor_ms}} (per step), 'launches',
     'unknown_trip_loops'}. Loop bodies count known_trip_count times (once if XLA does not know it)."""
-    comps, entry, comp = collections.defaultdict(list), None, None
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):  # a computation's header
-            m = re.match(r"(ENTRY\s+)?%?([\w.\-]+)", line)
-            comp = m.group(2)
-            entry = comp if m.group(1) else entry
-        elif line.startswith("  ") and comp is not None and "=" in line:
-            comps[comp].append(line)
-        elif line.startswith("}"):
-            comp = None
+    comps = collections.defaultdict(list)
+    for comp, _, line in _instructions(hlo_text):
+        comps[comp].append(line)
+    entry = next((m.group(1) for m in map(re.compile(r"ENTRY\s+%?([\w.\-]+)").match, hlo_text.splitlines()) if m),
+                 None)
     if entry is None:
         raise ValueError("aot_report: the HLO text has no ENTRY computation")
     shapes = {}
@@ -490,8 +471,10 @@ def main(argv=None):
         out = {}
         for spec in filter(None, a.models.split(",")):
             for batch in (int(b) for b in a.batches.split(",") if b):
-                fn, args = train_step_kernels(spec, a.seq_len, batch, a.remat, a.set)
-                out[f"{spec} x {batch}"] = rows = compile_report.report(fn, *args, arch=".".join(
+                style, d, layers = spec.split(":")
+                cfg = build_config(style, int(d), int(layers), a.seq_len, batch, a.remat, a.set)
+                step, state, batch_ = abstract_train_step(cfg)
+                out[f"{spec} x {batch}"] = rows = compile_report.report(step, state, batch_, arch=".".join(
                     str(x) for x in t["compute_capability"]))
                 compile_report.print_table(rows, spec)
         if a.json:

@@ -93,15 +93,18 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
 def _instructions(hlo_text: str):
-    """(enclosing computation or None, instruction name, line) of every instruction of an HLO text."""
+    """(enclosing computation or None, instruction name, line) of every instruction of an HLO text.
+
+    A computation's header starts at column 0 and ends with '{' (an ENTRY header's parameter list
+    may hold '=' in its /*index=N*/ comments); its instructions are the indented lines after it."""
     comp = None
     for line in hlo_text.splitlines():
         m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0]:
+        if m and not line.startswith(" "):
             comp = m.group(1)
             continue
         m = _INSTR.match(line)
-        if m:
+        if m and line.startswith(" "):
             yield comp, m.group(1), line
 
 
