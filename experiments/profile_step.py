@@ -229,7 +229,8 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
         pids = {e["pid"] for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})}
     per_cat = collections.Counter()
     per_kernel, calls = collections.Counter(), collections.Counter()
-    kernel_cat, kernel_scope, samples = {}, {}, []
+    per_op, op_calls = collections.Counter(), collections.Counter()
+    kernel_cat, kernel_scope, op_kernel, samples = {}, {}, {}, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in pids or "dur" not in e:
             continue
@@ -247,13 +248,20 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
         calls[e["name"]] += 1 / n_steps
         kernel_cat[e["name"]] = cat
         kernel_scope.setdefault(e["name"], scopes[:300])
+        if op and not op.startswith("command_buffer"):  # graphs off: the HLO instruction is known
+            per_op[op] += e["dur"] / 1e3 / n_steps
+            op_calls[op] += 1 / n_steps
+            op_kernel.setdefault(op, (e["name"], cat))
     total = sum(per_cat.values())
     return {"total_ms": total, "ms": {c: per_cat.get(c, 0.0) for c in CATEGORIES},
             "share": {c: per_cat.get(c, 0.0) / total if total else 0.0 for c in CATEGORIES},
             "top": [(k, ms, kernel_cat[k]) for k, ms in per_kernel.most_common(25)],
             "top_scopes": {k: kernel_scope[k] for k, _ in per_kernel.most_common(60)},
             "kernels": {k: [ms, kernel_cat[k]] for k, ms in per_kernel.items()},
-            "calls": {k: round(c, 3) for k, c in calls.items()}, "sample_events": samples}
+            "calls": {k: round(c, 3) for k, c in calls.items()}, "sample_events": samples,
+            # ms per step, calls per step, kernel and category of the HLO instructions that took most
+            # time (empty under CUDA graphs, whose events name the graph).
+            "top_ops": [(op, ms, round(op_calls[op], 3), *op_kernel[op]) for op, ms in per_op.most_common(80)]}
 
 
 def profile_compiled(step, state, batch, n_steps: int, trace_dir: str) -> tuple[dict, dict]:

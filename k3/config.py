@@ -112,8 +112,9 @@ def default_config() -> ConfigDict:
     o.qk_clip_tau = 100.0
     o.per_head_muon = False
     o.mu_dtype = "float32"  # first moments (Muon, Adam); 'bfloat16' also runs Newton-Schulz in bf16
-    o.newton_schulz = "folded"  # Muon's iteration: 'folded' (k3.muon, fewer passes), 'grouped' (folded,
-    # small same-shape matrices of several leaves in one batch) or 'optax' (reference)
+    o.newton_schulz = "grouped"  # Muon's iteration: 'grouped' (k3.muon's folded form, small same-shape
+    # matrices of several leaves in one batch: fewer launches), 'folded' (one chain per leaf) or 'optax'
+    # (reference)
 
     h = c.mesh = ConfigDict()  # device mesh sizes (k3.sharding); -1 fills the rest; all 1: one device
     h.data = 1

@@ -130,6 +130,8 @@ def test_trace_parser_maps_kernels_to_scopes_through_the_hlo(tmp_path):
     res = parse_trace(str(path), n_steps=2, op_context=ctx)
     assert res["ms"]["optimizer"] == pytest.approx(1.5) and res["ms"]["fp32 matmuls"] == pytest.approx(0.5)
     assert res["total_ms"] == pytest.approx(2.0) and abs(sum(res["share"].values()) - 1) < 1e-9
+    # Kernels run inside a CUDA graph name no HLO instruction, so only "x" is listed by instruction.
+    assert res["top_ops"] == [("x", pytest.approx(0.5), 0.5, "sm90_xmma_gemm_f32f32_tf32f32", "fp32 matmuls")]
 
 
 FUSION_HLO = "\n".join([
