@@ -218,11 +218,17 @@ def read(stream: dict, mix: AttnResMix | None) -> jax.Array:
     return mix(bank, jnp.arange(bank.shape[0]) < stream["count"], stream["partial"], stream["has_partial"])
 
 
-def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int) -> dict:
-    """Adds an attention sublayer's output; at a block's first layer the finished block is banked."""
+def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int, may_start: bool = True) -> dict:
+    """Adds an attention sublayer's output; at a block's first layer the finished block is banked.
+
+    ``may_start=False`` says, statically, that ``layer_idx`` (traced in a scanned body) is never a
+    block's first layer: the bank is then left alone instead of rewritten with its own slot, which
+    under XLA cost an in-place update plus a copy of the whole [M, B, T, D] bank per layer."""
     if "h" in stream:
         return {"h": stream["h"] + out_BTD.astype(stream["h"].dtype)}
     out = out_BTD.astype(stream["partial"].dtype)
+    if not may_start:
+        return {**stream, "partial": stream["partial"] + out, "has_partial": jnp.ones((), bool)}
     starts = (layer_idx % block_size) == 0
     push = jnp.logical_and(starts, stream["has_partial"])
     count = stream["count"]
@@ -236,6 +242,12 @@ def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int) 
         "partial": jnp.where(starts, out, stream["partial"] + out),
         "has_partial": jnp.ones((), bool),
     }
+
+
+def may_start_block(layer_idxs, block_size: int) -> bool:
+    """Whether any of ``layer_idxs`` (the indices one layer object runs at: one, or one per repeat of
+    a scanned body) is a block's first layer, where `add_attention` may bank the finished block."""
+    return any(i % block_size == 0 for i in layer_idxs)
 
 
 def add_ffn(stream: dict, out_BTD: jax.Array) -> dict:

@@ -96,8 +96,11 @@ class DecoderLayer(nnx.Module):
     """One layer: [AttnRes mix] -> norm -> mixer -> add; [AttnRes mix] -> norm -> FFN -> add."""
 
     def __init__(self, cfg, mixer: str, ffn: str, *, rngs: nnx.Rngs, track_max_logit: bool = False,
-                 sharder: Sharder | None = None):
+                 sharder: Sharder | None = None, may_start: bool = True):
+        """may_start: whether any index this layer runs at starts an AttnRes block
+        (`k3.attn_res.may_start_block`); False lets it skip the bank write."""
         self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.may_start = may_start
         self.sharder = sharder
         self.track_max_logit = track_max_logit and mixer == "mla"
         self.block_size = cfg.attn_res_block_size
@@ -127,7 +130,7 @@ class DecoderLayer(nnx.Module):
             a, stats["max_logit"] = self.mixer(self.attn_norm(x), segment_ids_BT, return_max_logit=True)
         else:
             a = self.mixer(self.attn_norm(x), segment_ids_BT)
-        stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)
+        stream = attn_res.add_attention(stream, a, layer_idx, self.block_size, self.may_start)
         x = attn_res.read(stream, self.ffn_mix)
         if self.ffn_kind == "moe":
             f, layer_stats = self.ffn(self.ffn_norm(x))
@@ -141,7 +144,7 @@ class DecoderLayer(nnx.Module):
         a KDA layer's whole new cache, or an MLA layer's new rows (see `MLA.extend`)."""
         x = attn_res.read(stream, self.attn_mix)
         a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B, keep_inputs)
-        stream = attn_res.add_attention(stream, a, layer_idx, self.block_size)
+        stream = attn_res.add_attention(stream, a, layer_idx, self.block_size, self.may_start)
         x = attn_res.read(stream, self.ffn_mix)
         if self.ffn_kind == "moe":
             f = self.ffn(self.ffn_norm(x), decode=True)[0]
@@ -158,9 +161,10 @@ class LayerGroup(nnx.Module):
     (`walk_layers` runs its ``layers``)."""
 
     def __init__(self, cfg, kinds: list[tuple[str, str]], *, rngs: nnx.Rngs, track_max_logit: bool = False,
-                 sharder: Sharder | None = None):
+                 sharder: Sharder | None = None, may_start: tuple[bool, ...] | None = None):
+        may_start = may_start or (True,) * len(kinds)
         self.layers = nnx.List([DecoderLayer(cfg, m, f, rngs=rngs, track_max_logit=track_max_logit,
-                                             sharder=sharder) for m, f in kinds])
+                                             sharder=sharder, may_start=s) for (m, f), s in zip(kinds, may_start)])
 
 
 def plan_layers(m) -> tuple[list[int], tuple[int, int, int], list[int]]:
@@ -201,21 +205,27 @@ class Model(nnx.Module):
         self.head_idx, self.tail_idx = tuple(head), tuple(tail)
         self.body_start, self.body_period, self.body_repeats = start, period, repeats
         self.embed = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        bs = cfg.attn_res_block_size
         self.head_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit,
-                                                  sharder=sharder) for i in head])
+                                                  sharder=sharder, may_start=attn_res.may_start_block([i], bs))
+                                     for i in head])
         if repeats:
             pattern = kinds[start:start + period]
+            body_starts = tuple(attn_res.may_start_block([start + r * period + j for r in range(repeats)], bs)
+                                for j in range(period))
 
             @nnx.split_rngs(splits=repeats)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_body(r):
-                return LayerGroup(cfg, pattern, rngs=r, track_max_logit=track_max_logit, sharder=sharder)
+                return LayerGroup(cfg, pattern, rngs=r, track_max_logit=track_max_logit, sharder=sharder,
+                                  may_start=body_starts)
 
             self.body = make_body(rngs)
         else:
             self.body = None
         self.tail_layers = nnx.List([DecoderLayer(cfg, *kinds[i], rngs=rngs, track_max_logit=track_max_logit,
-                                                  sharder=sharder) for i in tail])
+                                                  sharder=sharder, may_start=attn_res.may_start_block([i], bs))
+                                     for i in tail])
         self.out_mix = (AttnResMix(cfg.d_model, cfg.norm_eps, rngs=rngs, impl=cfg.attn_res_impl, sharder=sharder)
                         if cfg.residual == "attn_res" else None)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)

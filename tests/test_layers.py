@@ -303,8 +303,10 @@ def test_depth_mix_keeps_no_float32_copy_of_the_candidates():
     assert all(aval.dtype == jnp.bfloat16 for aval in big), big
 
 
-def test_attn_res_stream_follows_block_schedule():
-    """The traced stream equals a list-based walk of the spec's schedule (uniform mixes)."""
+@pytest.mark.parametrize("hinted", [False, True])
+def test_attn_res_stream_follows_block_schedule(hinted):
+    """The traced stream equals a list-based walk of the spec's schedule (uniform mixes); with
+    ``hinted`` the layers that never start a block say so statically and skip the bank write."""
     L, bs, D = 7, 3, 4
     mix = attn_res.AttnResMix(D, 1e-5, rngs=nnx.Rngs(0))
     emb = _rand(0, (1, 1, D))
@@ -315,7 +317,8 @@ def test_attn_res_stream_follows_block_schedule():
         got = attn_res.read(stream, mix)
         want = jnp.mean(jnp.stack(bank + ([partial] if partial is not None else [])), 0)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        stream = attn_res.add_attention(stream, a, jnp.asarray(l), bs)
+        may_start = attn_res.may_start_block([l], bs) if hinted else True
+        stream = attn_res.add_attention(stream, a, jnp.asarray(l), bs, may_start)
         if l % bs == 0:
             if partial is not None:
                 bank.append(partial)
@@ -329,6 +332,20 @@ def test_attn_res_stream_follows_block_schedule():
     np.testing.assert_allclose(attn_res.read(stream, mix), jnp.mean(jnp.stack(bank + [partial]), 0),
                                rtol=1e-5, atol=1e-6)
     assert int(stream["count"]) == len(bank) == 3
+
+
+def test_layers_that_never_start_a_block_are_marked_in_the_head_body_and_tail():
+    """K3 ladder layout (12 layers, blocks of 3, dense first layer, period 4): head 0-3, body 4-11 as
+    two repeats of 4. A body position may bank when any repeat starts a block there (6 at position 2,
+    9 at position 1); positions 0 (4, 8) and 3 (7, 11) and head layers 1, 2 never do."""
+    from k3.model import Model
+    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, mla_period=4, scan_layers=True)
+    assert cfg.residual == "attn_res" and cfg.mixer != "mla"
+    model = nnx.eval_shape(lambda: Model(cfg, rngs=nnx.Rngs(0)))
+    assert (model.head_idx, model.body_start, model.body_period, model.body_repeats) == ((0, 1, 2, 3), 4, 4, 2)
+    assert [layer.may_start for layer in model.head_layers] == [True, False, False, True]
+    assert [layer.may_start for layer in model.body.layers] == [False, True, True, False]
+    assert attn_res.may_start_block([7, 11], 3) is False and attn_res.may_start_block([6, 10], 3) is True
 
 
 # ---------------------------------------------------------------- RMSNorm
