@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.configs.ladder import ladder_config  # noqa: E402
-from k3.config import layer_kinds  # noqa: E402
+from k3.config import layer_kinds, renamed_hint  # noqa: E402
 from k3.mla.layer import ATTENTION  # noqa: E402
 from k3.moe.layer import EXPERT_BACKENDS  # noqa: E402
 from k3.kda.ops import KDA_CORES  # noqa: E402
@@ -71,7 +71,7 @@ def build_config(style, d_model, n_layers, seq_len, batch, remat, sets=()):
         for p in parents:
             node = node[p]
         if leaf not in node:
-            raise SystemExit(f"--set {item}: unknown config key {key}")
+            raise SystemExit(f"--set {item}: unknown config key {key}{renamed_hint(key)}")
         node[leaf] = parse_value(val)
     from k3.config import validate
 

@@ -397,9 +397,13 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
     from k3.hardware import device_peak_flops
     from k3.checkpoints import abstract_like, checkpoint_manager, restore_checkpoint, save_checkpoint
     from k3.optim import wsd_lr
+    from k3.model import resolve_layer_loop
     from k3.steps import evaluate, make_run, to_host
 
     cfg = run["cfg"]
+    # The layer loop shapes the parameter tree: the hash below names it, so a run's checkpoints are
+    # not resumed on a platform whose 'auto' lays the layers out otherwise.
+    resolve_layer_loop(cfg)
     S = run["steps"]
     warmup = max(1, round(ladder.warmup_frac * S))
     main_cool = S - max(1, round(ladder.decay_frac * S))

@@ -63,12 +63,33 @@ def with_schema_defaults(saved: dict) -> dict:
         if isinstance(node, dict):
             node.pop(leaf, None)
 
+    model = saved.get("model")
+    if isinstance(model, dict) and "layer_loop" not in model:
+        # Written before model.layer_loop: its layers were scanned unless scan_layers said otherwise.
+        model["layer_loop"] = "scan" if model.pop("scan_layers", True) else "unroll"
+
     def merge(default, given):
         if not isinstance(default, dict) or not isinstance(given, dict):
             return given
         return {**default, **{k: merge(default.get(k), v) for k, v in given.items()}}
 
     return merge(json.loads(default_config().to_json()), saved)
+
+
+def settle_layer_loop(cfg, workdir: Path) -> None:
+    """Makes ``cfg.model.layer_loop`` concrete, in place: 'auto' becomes the value of the run already
+    in ``workdir`` (its checkpoints have that parameter layout, whatever platform resumes them),
+    else what 'auto' means on this platform (`k3.model.LAYER_LOOPS`)."""
+    from k3.model import resolve_layer_loop
+
+    if cfg.model.layer_loop != "auto":
+        return
+    try:
+        saved = json.loads((workdir / "run.json").read_text())["identity"]
+        cfg.model.layer_loop = with_schema_defaults(saved)["model"]["layer_loop"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no run there yet, or a run.json that `check_workdir` will name
+    resolve_layer_loop(cfg)
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:

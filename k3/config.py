@@ -42,8 +42,9 @@ def default_config() -> ConfigDict:
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
     m.remat = False  # rematerialise each scanned layer group in the backward pass
     m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels', 'dots_kernels_glu', 'matmuls_kernels'
-    m.scan_layers = True  # repeated layer groups as one lax.scan (fast compiles); False unrolls them, which
-    # compiled for an H200 moves 15-28% fewer bytes per step and needs less memory (BENCHMARKS.md)
+    m.layer_loop = "auto"  # k3.model.LAYER_LOOPS: 'scan' (repeated layer groups as one lax.scan: compile time
+    # flat in depth) or 'unroll' (faster steps, less memory on one H200: BENCHMARKS.md); 'auto': unroll on a GPU.
+    # It decides the parameter tree: a run saves the resolved value. The full-size configs name 'scan'.
 
     a = m.mla = ConfigDict()
     a.n_heads = 4
@@ -173,6 +174,15 @@ _CHOICES = {
 }
 
 
+# Keys that were renamed: old key -> how to say it now (named in the unknown-key error).
+RENAMED = {"model.scan_layers": "model.layer_loop ('scan' for True, 'unroll' for False)"}
+
+
+def renamed_hint(key: str) -> str:
+    """' (old.key is now ...)' when ``key`` (dotted, or its last part alone) was renamed, else ''."""
+    return "".join(f" ({old} is now {new})" for old, new in RENAMED.items() if key in (old, old.split(".")[-1]))
+
+
 # Keys whose values name an entry of an implementation table (`k3.backends.Table`, or a dict keyed
 # by the allowed values): the table is the one list of allowed values. (module, attribute) pairs,
 # imported when a config is validated.
@@ -184,6 +194,7 @@ _TABLES = {
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
     "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
+    "model.layer_loop": ("k3.model", "LAYER_LOOPS"),
     "model.attn_res_impl": ("k3.attn_res", "MIX_BACKENDS"),
     "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
     "optim.newton_schulz": ("k3.optim", "NEWTON_SCHULZ"),
@@ -275,7 +286,7 @@ def validate(cfg: ConfigDict) -> ConfigDict:
     given = _flatten(cfg)
     unknown = sorted(set(given) - set(schema))
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}" + "".join(map(renamed_hint, unknown)))
     missing = sorted(set(schema) - set(given))
     if missing:
         raise ConfigError(f"missing config key(s): {', '.join(missing)}")

@@ -72,7 +72,7 @@ from k3.hardware import PEAK_BF16_FLOPS
 from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_residual_bytes
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
-from k3.model import Model, cross_entropy, plan_layers
+from k3.model import LAYER_LOOPS, Model, cross_entropy, plan_layers
 from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
                          moe_tensor_bytes, router_bias_bytes)
 from k3.kda.layer import CONV_BACKENDS
@@ -519,8 +519,9 @@ _LAYOUTS: dict = {}
 
 
 def _layers(m):
-    """(`layer_kinds`, `plan_layers`) of a model config, cached by the fields that decide them."""
-    key = (m.n_layers, m.mixer, m.mla_period, m.first_k_dense, m.scan_layers)
+    """(`layer_kinds`, `plan_layers`) of a model config, cached by the fields that decide them. The
+    layer loop is resolved here, as for the abstract model the plan reads its parameters from."""
+    key = (m.n_layers, m.mixer, m.mla_period, m.first_k_dense, LAYER_LOOPS.resolve(m.layer_loop))
     if key not in _LAYOUTS:
         _LAYOUTS[key] = (layer_kinds(m), plan_layers(m))
     return _LAYOUTS[key]

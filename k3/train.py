@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 from k3.checkpoints import (_check_writable, _guarded_save, _guarded_wait, abstract_like, check_workdir,
-                            checkpoint_manager, restore_newest_good, write_run_file)
+                            checkpoint_manager, restore_newest_good, settle_layer_loop, write_run_file)
 from k3.config import ConfigError, validate
 from k3.data import build_datasets
 from k3.hardware import device_peak_flops
@@ -86,6 +86,7 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
     workdir = Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise RunError(f"--workdir {workdir} exists and is not a directory")
+    settle_layer_loop(cfg, workdir)
     resuming = check_workdir(cfg, workdir) if workdir.exists() else False
     _check_writable(workdir, create=False)
     # One process per host: process 0 writes the run's files; the others only train and save

@@ -47,10 +47,14 @@ def define_config_flag(name: str, default: str | None, help_string: str) -> None
 
 def _unknown_key(e: Exception) -> None:
     """An override naming a key the (locked) config does not have."""
+    m = re.search(r'Key "([\w.]+)" does not exist|instead of "([\w.]+)"\?', str(e))
     key = str(e).strip("'\" ")
-    key = key.split("'")[1] if "'" in key else key
+    key = (m.group(1) or m.group(2)) if m else key.split("'")[1] if "'" in key else key
     arg = _override_for(key, sys.argv)
-    fail(f"unknown config key {key!r}" + (f" in {arg}" if arg else "") + " (the keys are listed in k3/config.py)")
+    from k3.config import renamed_hint
+
+    fail(f"unknown config key {key!r}" + (f" in {arg}" if arg else "") + renamed_hint(key)
+         + " (the keys are listed in k3/config.py)")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -339,7 +339,7 @@ def test_layers_that_never_start_a_block_are_marked_in_the_head_body_and_tail():
     two repeats of 4. A body position may bank when any repeat starts a block there (6 at position 2,
     9 at position 1); positions 0 (4, 8) and 3 (7, 11) and head layers 1, 2 never do."""
     from k3.model import Model
-    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, mla_period=4, scan_layers=True)
+    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, mla_period=4, layer_loop="scan")
     assert cfg.residual == "attn_res" and cfg.mixer != "mla"
     model = nnx.eval_shape(lambda: Model(cfg, rngs=nnx.Rngs(0)))
     assert (model.head_idx, model.body_start, model.body_period, model.body_repeats) == ((0, 1, 2, 3), 4, 4, 2)

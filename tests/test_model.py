@@ -64,11 +64,26 @@ def test_model_is_causal(overrides):
     assert float(jnp.max(jnp.abs(out1[:, t + 1:] - out2[:, t + 1:]))) > 1e-3
 
 
+def test_layer_loop_auto_unrolls_on_a_gpu_and_scans_elsewhere():
+    from k3.backends import BackendError, targeting
+    from k3.model import plan_layers
+
+    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1)
+    assert plan_layers(cfg) == ([0, 1, 2, 3], (4, 4, 2), [])  # CPU: 'scan'
+    with targeting("gpu"):
+        assert plan_layers(cfg) == (list(range(12)), (0, 4, 0), [])
+        cfg.layer_loop = "scan"  # named values hold on any platform
+        assert plan_layers(cfg)[1] == (4, 4, 2)
+    cfg.layer_loop = "stacked"
+    with pytest.raises(BackendError, match="model.layer_loop='stacked' is not one of"):
+        plan_layers(cfg)
+
+
 def test_scanned_and_unrolled_models_agree():
     cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1)
     scanned = Model(cfg, rngs=nnx.Rngs(3))
     assert scanned.body is not None and scanned.body_repeats == 2
-    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, scan_layers=False)
+    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, layer_loop="unroll")
     unrolled = Model(cfg_u, rngs=nnx.Rngs(4))
     assert unrolled.body is None
     # Copy the scanned weights into the unrolled model, layer by layer.

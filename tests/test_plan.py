@@ -221,13 +221,16 @@ def test_newton_schulz_flops_per_device_and_optimizer_time(tiny, mesh):
     assert adamw["time"]["optimizer_s"] == 0 and adamw["memory"]["optimizer_transient"] == 0
 
 
+@pytest.mark.parametrize("ns", ["grouped", "folded"])
 @pytest.mark.parametrize("mu_dtype", ["bfloat16", "float32"])
-def test_optimizer_transient_bounds_xla_temporaries(mu_dtype):
+def test_optimizer_transient_bounds_xla_temporaries(mu_dtype, ns):
     """The planned transient of the update is within 1.6x of the temporaries XLA's CPU compiler
-    assigns to the real update (k3.optim's Muon, compiled on abstract shapes): an upper bound in
-    fp32; with bf16 moments the CPU compile runs every bf16 dot on fp32 copies of its operands,
-    which the plan does not count (down to 0.8x). On the H200 the update of K2 1024:12 keeps
-    3.5 GiB of temporaries against the 12.7 planned (BENCHMARKS.md)."""
+    assigns to the real update (k3.optim's Muon, compiled on abstract shapes), for per-leaf and
+    grouped Newton-Schulz: an upper bound in fp32. With bf16 moments the CPU compile runs every bf16
+    dot on fp32 copies of its operands, which the plan does not count: down to 0.8x per leaf, and
+    down to 0.65x grouped, where the copies are of whole concatenated groups (measured 0.88 and
+    0.71). On the H200 the update of K2 1024:12 keeps 3.5 GiB of temporaries against the 12.7
+    planned (BENCHMARKS.md)."""
     import jax
     import optax
     from flax import nnx
@@ -235,7 +238,7 @@ def test_optimizer_transient_bounds_xla_temporaries(mu_dtype):
     from k3 import optim
     from k3.params import abstract_model
 
-    c = _cfg(mu_dtype=mu_dtype)
+    c = _cfg(mu_dtype=mu_dtype, newton_schulz=ns)
     c.model = tiny_model_cfg(d_model=128, **{"moe.expert_dim": 128, "moe.latent_dim": 64, "moe.shared_dim": 128})
     params = nnx.state(abstract_model(c.model), nnx.Param)
     tx, _ = optim.build_optimizer(c, params)
@@ -250,9 +253,10 @@ def test_optimizer_transient_bounds_xla_temporaries(mu_dtype):
     mdl = P.load_model(c)
     est = P.plan(mdl, ONE, "h200", batch=1, seq=16)
     planned = est["memory"]["optimizer_transient"]
-    assert (1.0 if mu_dtype == "float32" else 0.8) <= planned / xla <= 1.6, (planned, xla)
+    low = 1.0 if mu_dtype == "float32" else {"folded": 0.8, "grouped": 0.65}[ns]
+    assert low <= planned / xla <= 1.6, (planned, xla)
     # At 16 tokens the update's transient, not the activations, sets the peak, and the plan says so.
     assert planned > est["memory"]["activations"]
     assert any("optimizer update's transient" in n for n in est["notes"])
-    ns = P.muon_work(mdl.infos, [1] * len(mdl.infos), 2 if mu_dtype == "bfloat16" else 4)
-    assert 0 < ns["largest"] < ns["transient"] == pytest.approx(planned)
+    work = P.muon_work(mdl.infos, [1] * len(mdl.infos), 2 if mu_dtype == "bfloat16" else 4)
+    assert 0 < work["largest"] < work["transient"] == pytest.approx(planned)

@@ -245,3 +245,40 @@ def test_workdir_of_an_older_schema_is_still_this_run(tmp_path):
     cfg.model.moe.ep_dispatch = "padded"  # how, not what: not part of the identity
     assert "ep_dispatch" not in json.dumps(run_identity(cfg))
     check_workdir(cfg, tmp_path)
+
+
+def test_layer_loop_follows_the_run_in_the_workdir(tmp_path):
+    """'auto' takes the parameter layout of the run already in the workdir (a GPU run resumed on a
+    CPU keeps its unrolled layers), else this platform's; a run.json written with the old
+    ``scan_layers`` key is the same run under ``layer_loop``."""
+    import json
+
+    from k3.backends import targeting
+    from k3.checkpoints import check_workdir, settle_layer_loop, write_run_file
+
+    fresh = run_cfg("k3", {})
+    settle_layer_loop(fresh, tmp_path / "none")
+    assert fresh.model.layer_loop == "scan"  # this CPU
+    with targeting("gpu"):
+        on_gpu = run_cfg("k3", {})
+        settle_layer_loop(on_gpu, tmp_path / "none")
+    assert on_gpu.model.layer_loop == "unroll"
+    write_run_file(on_gpu, tmp_path)
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    resumed = run_cfg("k3", {})
+    settle_layer_loop(resumed, tmp_path)
+    assert resumed.model.layer_loop == "unroll" and check_workdir(resumed, tmp_path) is True
+    explicit = run_cfg("k3", {})
+    explicit.model.layer_loop = "scan"
+    settle_layer_loop(explicit, tmp_path)  # a value the user named is kept, and it is another run
+    with pytest.raises(RunError, match="layer_loop"):
+        check_workdir(explicit, tmp_path)
+
+    saved = json.loads((tmp_path / "run.json").read_text())
+    for part in ("identity", "config"):
+        del saved[part]["model"]["layer_loop"]
+        saved[part]["model"]["scan_layers"] = False
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    old = run_cfg("k3", {})
+    settle_layer_loop(old, tmp_path)
+    assert old.model.layer_loop == "unroll" and check_workdir(old, tmp_path) is True

@@ -237,6 +237,7 @@ def test_unwritable_checkpoints_exit_quickly_naming_the_path(tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--config.model.nonexistent=1"], "unknown config key 'nonexistent' in --config.model.nonexistent=1"),
+    (["--config.model.scan_layers=False"], "(model.scan_layers is now model.layer_loop ('scan' for True, 'unroll'"),
     (["--config.train.ckpt_every=0"], "train.ckpt_every must be in (0, inf), got 0"),
     (["--config.steps=-3"], "steps must be in (0, inf), got -3"),
     (["--config.optim.adam_lr=nan"], "optim.adam_lr must be a finite number"),

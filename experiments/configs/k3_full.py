@@ -20,6 +20,7 @@ def get_config():
     m.norm_eps = 1e-5
     m.dtype = "bfloat16"
     m.remat = True
+    m.layer_loop = "scan"  # sharded over many devices, gather one layer group at a time; compile time flat in depth
     m.mla.update(dict(n_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
                       v_head_dim=128, use_rope=False, output_gate=True, norm_eps=1e-6))
     m.kda.update(dict(n_heads=96, head_dim=128, conv_size=4, gate="bounded", gate_lower_bound=-5.0,
