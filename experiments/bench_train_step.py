@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.configs.ladder import ladder_config  # noqa: E402
-from k3.config import layer_kinds, renamed_hint  # noqa: E402
+from k3.config import layer_kinds, renamed_hint, renamed_setting  # noqa: E402
 from k3.mla.layer import ATTENTION  # noqa: E402
 from k3.moe.layer import EXPERT_BACKENDS  # noqa: E402
 from k3.kda.ops import KDA_CORES  # noqa: E402
@@ -66,13 +66,14 @@ def build_config(style, d_model, n_layers, seq_len, batch, remat, sets=()):
     cfg.steps = 1000
     for item in sets:
         key, _, val = item.partition("=")
+        key, val = renamed_setting(key, parse_value(val))
         node = cfg
         *parents, leaf = key.split(".")
         for p in parents:
             node = node[p]
         if leaf not in node:
             raise SystemExit(f"--set {item}: unknown config key {key}{renamed_hint(key)}")
-        node[leaf] = parse_value(val)
+        node[leaf] = val
     from k3.config import validate
 
     return validate(cfg)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from k3 import sharding
-from k3.config import validate
+from k3.config import renamed_setting, validate
 from k3.data import build_datasets
 from k3.steps import RunError, make_run, to_host
 
@@ -66,7 +66,7 @@ def with_schema_defaults(saved: dict) -> dict:
     model = saved.get("model")
     if isinstance(model, dict) and "layer_loop" not in model:
         # Written before model.layer_loop: its layers were scanned unless scan_layers said otherwise.
-        model["layer_loop"] = "scan" if model.pop("scan_layers", True) else "unroll"
+        model["layer_loop"] = renamed_setting("model.scan_layers", bool(model.pop("scan_layers", True)))[1]
 
     def merge(default, given):
         if not isinstance(default, dict) or not isinstance(given, dict):

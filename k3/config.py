@@ -178,6 +178,20 @@ _CHOICES = {
 RENAMED = {"model.scan_layers": "model.layer_loop ('scan' for True, 'unroll' for False)"}
 
 
+# Renamed keys whose old values still read (recorded benchmark commands): old key -> (key, {old: new}).
+RENAMED_VALUES = {"model.scan_layers": ("model.layer_loop", {True: "scan", False: "unroll"})}
+
+
+def renamed_setting(key: str, value):
+    """(key, value) as the schema names them now: a `RENAMED_VALUES` key is translated, others pass."""
+    if key in RENAMED_VALUES:
+        new, values = RENAMED_VALUES[key]
+        if value not in values:
+            raise ConfigError(f"{key}={value!r}: {key} is now {new}, and only {sorted(values, key=str)} translate")
+        return new, values[value]
+    return key, value
+
+
 def renamed_hint(key: str) -> str:
     """' (old.key is now ...)' when ``key`` (dotted, or its last part alone) was renamed, else ''."""
     return "".join(f" ({old} is now {new})" for old, new in RENAMED.items() if key in (old, old.split(".")[-1]))

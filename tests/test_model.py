@@ -1,6 +1,7 @@
 """Whole models: tiny K2 and K3 forward/backward, causality, dtypes, layer planning, configs."""
 
 import collections
+import contextlib
 import importlib
 import math
 
@@ -80,10 +81,13 @@ def test_layer_loop_auto_unrolls_on_a_gpu_and_scans_elsewhere():
 
 
 def test_scanned_and_unrolled_models_agree():
-    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1)
+    """Same weights, both layer loops, rematerialised as a GPU run is: same logits and same gradient."""
+    cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, remat=True,
+                         remat_policy="dots", layer_loop="scan")
     scanned = Model(cfg, rngs=nnx.Rngs(3))
     assert scanned.body is not None and scanned.body_repeats == 2
-    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, layer_loop="unroll")
+    cfg_u = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, remat=True,
+                           remat_policy="dots", layer_loop="unroll")
     unrolled = Model(cfg_u, rngs=nnx.Rngs(4))
     assert unrolled.body is None
     # Copy the scanned weights into the unrolled model, layer by layer.
@@ -101,6 +105,18 @@ def test_scanned_and_unrolled_models_agree():
             flat_u[path].set_value(var[...])
     tokens = jax.random.randint(jax.random.key(5), (2, 20), 0, cfg.vocab_size)
     np.testing.assert_allclose(forward(scanned, tokens)[0], forward(unrolled, tokens)[0], rtol=2e-5, atol=2e-5)
+
+    def embed_grad(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            return cross_entropy(nnx.merge(graphdef, p, rest)(tokens)[0], tokens)
+
+        return jax.jit(jax.grad(loss))(params)["embed"][...]
+
+    g_s, g_u = embed_grad(scanned), embed_grad(unrolled)
+    assert float(jnp.abs(g_s).max()) > 0
+    np.testing.assert_allclose(g_s, g_u, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -243,3 +259,18 @@ def test_kernel_residual_policies_run_each_forward_kernel_once():
         np.testing.assert_allclose(l1, l0, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_the_retired_scan_layers_key_is_named_and_its_values_translate():
+    from k3.config import renamed_setting
+
+    cfg = default_config()
+    with cfg.unlocked() if hasattr(cfg, "unlocked") else contextlib.nullcontext():
+        cfg.model.scan_layers = False
+    with pytest.raises(ConfigError, match=r"model.scan_layers is now model.layer_loop \('scan' for True"):
+        validate(cfg)
+    assert renamed_setting("model.scan_layers", False) == ("model.layer_loop", "unroll")
+    assert renamed_setting("model.scan_layers", True) == ("model.layer_loop", "scan")
+    assert renamed_setting("model.remat", True) == ("model.remat", True)
+    with pytest.raises(ConfigError, match="only"):
+        renamed_setting("model.scan_layers", "yes")
