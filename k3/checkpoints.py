@@ -82,13 +82,13 @@ def settle_layer_loop(cfg, workdir: Path) -> None:
     else what 'auto' means on this platform (`k3.model.LAYER_LOOPS`)."""
     from k3.model import resolve_layer_loop
 
-    if cfg.model.layer_loop != "auto":
-        return
-    try:
-        saved = json.loads((workdir / "run.json").read_text())["identity"]
-        cfg.model.layer_loop = with_schema_defaults(saved)["model"]["layer_loop"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no run there yet, or a run.json that `check_workdir` will name
+    run_file = workdir / "run.json"
+    if cfg.model.layer_loop == "auto" and run_file.is_file():
+        try:
+            saved = with_schema_defaults(json.loads(run_file.read_text())["identity"])["model"]["layer_loop"]
+        except (ValueError, KeyError, TypeError):
+            saved = "auto"  # a corrupt run.json, which `check_workdir` names
+        cfg.model.layer_loop = saved
     resolve_layer_loop(cfg)
 
 

@@ -174,11 +174,8 @@ _CHOICES = {
 }
 
 
-# Keys that were renamed: old key -> how to say it now (named in the unknown-key error).
-RENAMED = {"model.scan_layers": "model.layer_loop ('scan' for True, 'unroll' for False)"}
-
-
-# Renamed keys whose old values still read (recorded benchmark commands): old key -> (key, {old: new}).
+# Renamed keys, named in the unknown-key error; their old values still read (recorded benchmark
+# commands, saved run configs): old key -> (key, {old value: new value}).
 RENAMED_VALUES = {"model.scan_layers": ("model.layer_loop", {True: "scan", False: "unroll"})}
 
 
@@ -194,7 +191,8 @@ def renamed_setting(key: str, value):
 
 def renamed_hint(key: str) -> str:
     """' (old.key is now ...)' when ``key`` (dotted, or its last part alone) was renamed, else ''."""
-    return "".join(f" ({old} is now {new})" for old, new in RENAMED.items() if key in (old, old.split(".")[-1]))
+    return "".join(f" ({old} is now {new} ({', '.join(f'{v!r} for {k}' for k, v in values.items())}))"
+                   for old, (new, values) in RENAMED_VALUES.items() if key in (old, old.split(".")[-1]))
 
 
 # Keys whose values name an entry of an implementation table (`k3.backends.Table`, or a dict keyed

@@ -171,8 +171,8 @@ class LayerGroup(nnx.Module):
 # How the layers that repeat with the mixer period run (``model.layer_loop``); each entry maps
 # (layer kinds, first body index, period) to the number of repeats stacked into the scanned body.
 # Unrolled, each layer owns its arrays: compiled for an H200, a step then moves 15-28% fewer bytes
-# (no weight slices out of the stack, no zero-filled stacked gradients or carried residuals) and
-# runs 8-12% faster for K3 and K2 1024:12 (BENCHMARKS.md); the scan keeps compile time flat in depth,
+# (no weight slices out of the stack, no zero-filled stacked gradients or carried residuals), and
+# on the H200 K3 and K2 1024:12 steps ran 7.7% and 12.5% faster (BENCHMARKS.md); the scan keeps compile time flat in depth,
 # which is what a CPU run and a deep model want. The choice changes the parameter tree, so a run
 # records the resolved value (`resolve_layer_loop`).
 LAYER_LOOPS = Table("model.layer_loop", auto={"gpu": "unroll"}, default="scan")
