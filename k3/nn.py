@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.common import compute_dtype  # one definition for the library and its kernels
 
@@ -100,7 +101,13 @@ class RMSNorm(nnx.Module):
         return rms_norm(x_BTD, self.weight[...], self.eps)
 
 
+# `jax.ad_checkpoint.checkpoint_name` of every parameter cast to the compute dtype, so a remat policy
+# can keep the cast copy (`k3.model.REMAT_POLICIES`'s '*_kernels' policies) instead of converting
+# the fp32 parameter again when the layer is recomputed.
+WEIGHT_CAST = "weight_cast"
+
+
 def cast(w: nnx.Param | jax.Array, dtype) -> jax.Array:
-    """A parameter's value in the compute dtype."""
+    """A parameter's value in the compute dtype, named `WEIGHT_CAST` for remat policies."""
     value = w[...] if isinstance(w, nnx.Variable) else w
-    return value.astype(dtype)
+    return checkpoint_name(value.astype(dtype), WEIGHT_CAST)

@@ -72,7 +72,7 @@ from k3.hardware import PEAK_BF16_FLOPS
 from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_residual_bytes
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
-from k3.model import LAYER_LOOPS, Model, cross_entropy, plan_layers
+from k3.model import LAYER_LOOPS, SAVES_WEIGHT_CASTS, Model, cross_entropy, plan_layers
 from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
                          moe_tensor_bytes, router_bias_bytes)
 from k3.kda.layer import CONV_BACKENDS
@@ -567,7 +567,7 @@ def layer_residual_bytes(m, mixer: str, ffn: str, lay: Layout, a: int, qk_clip: 
     return out
 
 
-def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> dict:
+def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_bytes: float = 0.0) -> dict:
     """Estimated peak activation bytes per device (an estimate: XLA's schedule decides the truth).
 
     Layer layout from `k3.model.plan_layers`: unrolled head layers, a scanned body of R repeats of a
@@ -576,7 +576,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
       carries      remat: (R + unrolled layers) x the saved layer input: the stream [N, D] (plain) or
                    the AttnRes bank plus partial sum [(slots + 1), N, D], compute dtype
       kept layers  without remat: the residuals (`layer_residual_bytes`) of every layer and their
-                   gathered (compute-dtype) weights
+                   gathered (compute-dtype) weights; with remat, ``cast_bytes``: the compute-dtype
+                   copies of the local parameters that a '*_kernels' policy keeps
       working set  remat: the residuals of one body group or one unrolled layer during its backward
                    (recomputed), whichever is larger, plus the stream cotangents (2 carries) and one
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
@@ -604,7 +605,7 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict) -> di
         largest = max([group] + [res[i]["total"] for i in unrolled])
         out["working_set"] = (largest + 2 * carry
                               + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"]))
-        out["kept_weights"] = 0.0
+        out["kept_weights"] = float(cast_bytes)
     else:
         out["carries"] = 0.0
         kept = unrolled + body_idx
@@ -851,7 +852,9 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     ob = optimizer_bytes(mdl.opt_leaves, mdl.infos, sh, shards)
     grads = pb["total"] * (1 if accum == 1 else 2)
     gbuf = gather_buffer_bytes(mdl.infos, comm_info, a, repeats)
-    act = activation_estimate(cfg, lay, remat, gbuf)
+    casts = (sum(pb["per_param"][p.name] * a / np.dtype(p.dtype).itemsize for p in mdl.infos)
+             if remat and m.remat_policy in SAVES_WEIGHT_CASTS else 0.0)
+    act = activation_estimate(cfg, lay, remat, gbuf, casts)
     rest = router_bias_bytes(m.moe) * sum(1 for _, f in kinds if f == "moe")
     ns = (muon_work(mdl.infos, shards, np.dtype(cfg.optim.mu_dtype).itemsize) if cfg.optim.name == "muon"
           else {"flops": 0.0, "transient": 0.0, "largest": 0.0})
@@ -975,7 +978,7 @@ def format_plan(p: dict) -> str:
         row("activations (estimate)", mem["activations"]),
         row("  saved layer inputs (scan carries, unrolled)", at["carries"]),
         row("  unrematerialised layers' residuals", at["kept_layers"]),
-        row("  their gathered weights", at["kept_weights"]),
+        row("  kept compute-dtype weights", at["kept_weights"]),
         row("  one layer group's backward working set", at["working_set"]),
         row("  largest transient (a2a buffers, scores)", at["transient"]),
         row("  LM head and loss (alternative peak)", at["lm_head"]),

@@ -187,8 +187,13 @@ def test_saved_residual_bytes_follow_the_remat_policy_and_the_tokens():
     assert 0 < full < dots < kernels < glu < none
     one, two, four = saved("dots", 1), dots, saved("dots", 4)
     assert four - two == pytest.approx(2 * (two - one), rel=0.05)
-    # The CPU's kernels (jnp chunked KDA, XLA attention) name no residuals: the two policies agree.
-    assert saved("dots_kernels", 2, platform="cpu") == saved("dots", 2, platform="cpu")
+    # The CPU's kernels (jnp chunked KDA, XLA attention) name no residuals: the two policies differ
+    # only by the kept bf16 weight casts, which do not grow with the batch and are at most 2 bytes a
+    # parameter.
+    casts = [saved("dots_kernels", b, platform="cpu") - saved("dots", b, platform="cpu") for b in (1, 4)]
+    n_params = count_params(tiny_model_cfg(dtype="bfloat16"))["total_params"]
+    assert casts[0] == casts[1]
+    assert 0.5 * n_params < casts[0] / 2 <= n_params
 
 
 # ---------------------------------------------------------------------------------------------
