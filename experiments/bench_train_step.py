@@ -56,11 +56,10 @@ def parse_value(text: str):
 
 
 def build_config(style, d_model, n_layers, seq_len, batch, remat, sets=()):
-    """The benchmark's config: ladder rung STYLE:D_MODEL with LAYERS, bf16, KDA chunk 32, ``sets`` applied."""
+    """The benchmark's config: ladder rung STYLE:D_MODEL with LAYERS, bf16, ``sets`` applied."""
     cfg = ladder_config(style, d_model)
     cfg.model.n_layers = n_layers
     cfg.model.dtype = "bfloat16"
-    cfg.model.kda.chunk_size = 32  # the Pallas kernel: half the KDA time of chunk 64 at head dim 32 (BENCHMARKS.md)
     cfg.model.remat = remat
     cfg.data.seq_len, cfg.data.batch_size = seq_len, batch
     cfg.steps = 1000

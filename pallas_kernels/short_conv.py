@@ -232,9 +232,9 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None, head_dim: int,
-                     eps: float = 1e-6, *, block: int = 8, channels: int = 256, steps: int = 32,
+                     eps: float = 1e-6, *, block: int = 8, channels: int = 64, steps: int = 32,
                      interpret: bool | None = None, num_warps: int = 4, row_slices: bool = True,
-                     dw_tiles: bool = False) -> jax.Array:
+                     dw_tiles: bool = True) -> jax.Array:
     """`k3.kda.layer.conv_branch_xla` through the Pallas kernels: [B, T, C] in y's dtype.
 
     y: [B, T, C] projections; w: [W, C] taps (w[W-1] multiplies the current token); segment_ids:

@@ -46,9 +46,9 @@ def _inputs(seed, B, T, C, dtype, docs=3):
     (2, 37, 64, 32, dict(block=8, channels=64, steps=2)),    # tokens not a multiple of a block, two heads a tile
     (1, 1, 32, 0, dict(block=8, channels=32, steps=1)),      # one token, no norm (v)
     (3, 20, 64, 16, dict(block=4, channels=16, steps=4)),    # a tile of one head, several documents a row
-    (2, 45, 128, 0, {}),                                     # the defaults: one tile wider than C
-    (2, 37, 64, 32, dict(block=8, channels=64, steps=2, dw_tiles=True)),  # taps' gradient carried as tiles
-    (3, 20, 64, 16, dict(block=4, channels=16, steps=4, dw_tiles=True)),
+    (2, 45, 128, 0, {}),                                     # the defaults: two channel tiles
+    (2, 37, 64, 32, dict(block=8, channels=64, steps=2, dw_tiles=False)),  # taps' gradient summed every step
+    (3, 20, 64, 16, dict(block=4, channels=16, steps=4, dw_tiles=False)),
 ])
 def test_kernels_match_float64_reference(x64, B, T, C, head_dim, kw):
     """Output and the gradients of y and the taps, in float64, against autodiff of `conv_plain`."""
