@@ -41,7 +41,9 @@ def default_config() -> ConfigDict:
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
     m.remat = False  # rematerialise each scanned layer group in the backward pass
-    m.remat_policy = "full"  # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels', 'dots_kernels_glu', 'matmuls_kernels'
+    # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels',
+    # 'dots_kernels_glu', 'dots_kernels_glu_inputs', 'matmuls_kernels'
+    m.remat_policy = "full"
     m.layer_loop = "auto"  # k3.model.LAYER_LOOPS: 'scan' (repeated layer groups as one lax.scan: compile time
     # flat in depth) or 'unroll' (faster steps, less memory on one H200: BENCHMARKS.md); 'auto': unroll on a GPU.
     # It decides the parameter tree: a run saves the resolved value. The full-size configs name 'scan'.

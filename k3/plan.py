@@ -69,10 +69,10 @@ from k3.config import layer_kinds, validate
 from k3.backends import BackendError
 from k3.ffn import dense_residual_bytes, dense_tensor_bytes
 from k3.hardware import PEAK_BF16_FLOPS
-from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_residual_bytes
+from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_input_bytes, kda_residual_bytes
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
-from k3.model import LAYER_LOOPS, SAVES_WEIGHT_CASTS, Model, cross_entropy, plan_layers
+from k3.model import LAYER_LOOPS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, cross_entropy, plan_layers
 from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
                          moe_tensor_bytes, router_bias_bytes)
 from k3.kda.layer import CONV_BACKENDS
@@ -578,6 +578,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
       kept layers  without remat: the residuals (`layer_residual_bytes`) of every layer and their
                    gathered (compute-dtype) weights; with remat, ``cast_bytes``: the compute-dtype
                    copies of the local parameters that a '*_kernels' policy keeps
+      kept inputs  remat under a policy in `k3.model.SAVES_KDA_INPUTS` with the Pallas KDA core: every
+                   KDA layer's kernel inputs (`k3.kda.cost.kda_input_bytes`)
       working set  remat: the residuals of one body group or one unrolled layer during its backward
                    (recomputed), whichever is larger, plus the stream cotangents (2 carries) and one
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
@@ -606,16 +608,20 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
         out["working_set"] = (largest + 2 * carry
                               + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"]))
         out["kept_weights"] = float(cast_bytes)
+        keeps_inputs = m.remat_policy in SAVES_KDA_INPUTS and lay.kda_core == "pallas"
+        out["kept_inputs"] = (sum(kda_input_bytes(m, lay, a) for mixer, _ in kinds if mixer == "kda")
+                              if keeps_inputs else 0.0)
     else:
         out["carries"] = 0.0
         kept = unrolled + body_idx
         out["working_set"] = 2 * carry + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"])
         out["kept_weights"] = sum(gather_bytes["unrolled"]) + repeats * gather_bytes["body_group"]
+        out["kept_inputs"] = 0.0
     out["kept_layers"] = sum(res[i]["total"] for i in kept)
     out["transient"] = max(r["transient"] for r in res)
     V_l = m.vocab_size // lay.vocab_div
     out["lm_head"] = N * V_l * (a + 8) + 2 * gather_bytes["lm_head"] + 2 * N * D * a
-    out["peak"] = (out["carries"] + out["kept_layers"] + out["kept_weights"]
+    out["peak"] = (out["carries"] + out["kept_layers"] + out["kept_weights"] + out["kept_inputs"]
                    + max(out["working_set"] + out["transient"], out["lm_head"]))
     out["remat_effective"] = remat
     out["unrolled_layers"] = unrolled
@@ -918,8 +924,8 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
             "activations": act["peak"], "optimizer_transient": ns["transient"], "router_biases": rest,
             "total": total,
             "device": dev.memory_bytes, "headroom": headroom, "usable": usable,
-            "activation_terms": {k: act[k] for k in ("carries", "kept_layers", "kept_weights", "working_set",
-                                                     "transient", "lm_head")},
+            "activation_terms": {k: act[k] for k in ("carries", "kept_layers", "kept_weights", "kept_inputs",
+                                                     "working_set", "transient", "lm_head")},
             "per_layer_kind": act["by_kind"],
         },
         "fits": bool(total <= usable),
@@ -979,6 +985,7 @@ def format_plan(p: dict) -> str:
         row("  saved layer inputs (scan carries, unrolled)", at["carries"]),
         row("  unrematerialised layers' residuals", at["kept_layers"]),
         row("  kept compute-dtype weights", at["kept_weights"]),
+        row("  kept KDA kernel inputs", at["kept_inputs"]),
         row("  one layer group's backward working set", at["working_set"]),
         row("  largest transient (a2a buffers, scores)", at["transient"]),
         row("  LM head and loss (alternative peak)", at["lm_head"]),

@@ -17,6 +17,7 @@ from jax import lax
 # so a remat policy can keep them (`k3.model.REMAT_POLICIES`) instead of running the kernel's
 # forward a second time inside the backward pass.
 KDA_RESIDUALS = "kda_residuals"
+KDA_INPUTS = "kda_inputs"
 ATTENTION_RESIDUALS = "attention_residuals"
 
 

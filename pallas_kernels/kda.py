@@ -76,7 +76,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16, triton_params
+from pallas_kernels.common import KDA_INPUTS, KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16, triton_params
 from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = ["chunk_kda"]
@@ -745,6 +745,7 @@ def _kda_fwd(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
     # The outputs too: the layer's backward needs o, and an unnamed o would make a remat policy that
     # keeps the residuals still run the forward kernels again to get it.
     o, ht, saved = checkpoint_name((o, ht, saved), KDA_RESIDUALS)
+    q, k, v, G, beta = checkpoint_name((q, k, v, G, beta), KDA_INPUTS)
     return (o, ht), (q, k, v, G, beta, doc, mf, ml, *saved)
 
 

@@ -234,13 +234,17 @@ def test_kernel_residual_policies_run_each_forward_kernel_once():
     """Under 'dots' a rematerialised layer runs the Pallas KDA and flash-attention forward kernels
     twice (forward, and again in the backward pass); 'dots_kernels' keeps what their custom_vjps
     name, so each runs once, as under 'dots_kernels_glu' (which also keeps the gated activations'
-    outputs). Loss and gradients do not change."""
-    cfg = tiny_model_cfg(**{"kda.impl": "pallas", "mla.attention_impl": "flash", "dtype": "bfloat16"})
+    outputs). The short-conv forward kernels feed the KDA kernel: they run again in the backward
+    pass unless 'dots_kernels_glu_inputs' keeps the KDA kernel's inputs. Loss and gradients do not
+    change."""
+    cfg = tiny_model_cfg(**{"kda.impl": "pallas", "kda.conv_impl": "pallas", "mla.attention_impl": "flash",
+                            "dtype": "bfloat16"})
     kinds = [mixer for mixer, _ in layer_kinds(cfg)]
     n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
     tokens = jax.random.randint(jax.random.key(5), (2, 24), 0, cfg.vocab_size)
     results = []
-    for policy, runs in (("dots", 2), ("dots_kernels", 1), ("dots_kernels_glu", 1)):
+    for policy, runs, conv_runs in (("dots", 2, 2), ("dots_kernels", 1, 2), ("dots_kernels_glu", 1, 2),
+                                    ("dots_kernels_glu_inputs", 1, 1)):
         cfg.remat, cfg.remat_policy = True, policy
         graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
@@ -253,6 +257,7 @@ def test_kernel_residual_policies_run_each_forward_kernel_once():
             assert calls[name] == runs * n_kda, (policy, dict(calls))
         assert calls["flash_doc_fwd"] == runs * n_mla, (policy, dict(calls))
         assert calls["kda_state_bwd"] == n_kda and calls["flash_doc_dq"] == n_mla
+        assert calls["kda_short_conv_fwd"] == 3 * conv_runs * n_kda, (policy, dict(calls))
         results.append(jax.jit(jax.value_and_grad(loss))(params))
     (l0, g0), *others = results
     for l1, g1 in others:

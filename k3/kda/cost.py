@@ -67,6 +67,16 @@ def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     return {"kda": kda}, 0.0
 
 
+def kda_input_bytes(m, lay, a: int) -> float:
+    """Bytes of the Pallas KDA kernel's own inputs for one layer, per device, which a remat policy in
+    `k3.model.SAVES_KDA_INPUTS` keeps across the whole forward: q, k, v after the conv branches in the
+    compute dtype (``a`` bytes), the cumulative gate in fp32, beta in fp32 per head: N H (K (3a + 4)
+    + 4) with N local tokens, H heads per device and K = V = head_dim."""
+    k = m.kda
+    H = k.n_heads // lay.kda_heads_div
+    return float(lay.tokens * H * (k.head_dim * (3 * a + 4) + 4))
+
+
 def kda_context_bytes(m, lay, a: int) -> int:
     """Bytes one KDA layer's context-parallel all-gather holds per pass, per device (the planner
     multiplies by cp - 1): the fp32 state pairs b H K 2K of the local sequences, H heads per
