@@ -1,10 +1,10 @@
 """KDA conv branches: the Pallas kernels against the jnp `k3.kda.layer.conv_branch_xla`, side by side.
 
-    python -m pallas_kernels.bench_short_conv --shape=8x4096x32x32 --variants=8:256:32:4,16:512:16:8 --json=out.json
+    python -m pallas_kernels.bench_short_conv --shape=8x4096x32x32 --variants=8:64:32:4:t,8:64:32:4:tp --json=out.json
 
 Variants: block:channels:steps:warps, then optionally :FLAGS with g to address rows by gathered indices
-instead of slices and t to carry the taps' gradient as whole tiles (`conv_silu_pallas`'s row_slices
-and dw_tiles). Shape BxTxHxK: B x T tokens in packed documents of 512, H heads
+instead of slices, t to carry the taps' gradient as whole tiles and p for the backward in two passes
+(`conv_silu_pallas`'s row_slices, dw_tiles and split_backward). Shape BxTxHxK: B x T tokens in packed documents of 512, H heads
 of K channels, bf16, 4 taps. Each row times one branch with the per-head L2 norm (q, k) and one
 without (v), forward and forward + backward (gradients of y and the taps) under `jax.jit`: --iters
 calls dispatched back to back and waited for once (`pallas_kernels.common.pipelined_seconds`). A
@@ -63,9 +63,10 @@ def bench(shape, variants, iters):
             *nums, rows_as = v.split(":") if v.count(":") == 4 else (v + ":s").split(":")
             blk, ch, st, warps = (int(x) for x in nums)
             impls.append(("pallas", (blk, ch, st, warps, rows_as),
-                          lambda *a, blk=blk, ch=ch, st=st, warps=warps, sl="g" not in rows_as, dwt="t" in rows_as:
+                          lambda *a, blk=blk, ch=ch, st=st, warps=warps, sl="g" not in rows_as, dwt="t" in rows_as,
+                          split="p" in rows_as:
                           conv_silu_pallas(*a, block=blk, channels=ch, steps=st, num_warps=warps, row_slices=sl,
-                                           dw_tiles=dwt)))
+                                           dw_tiles=dwt, split_backward=split)))
         ref = fns(conv_branch_xla)[1](y, w, dout)
         first = len(rows)
         for name, (blk, ch, st, warps, rows_as), branch in impls:
@@ -90,9 +91,9 @@ def bench(shape, variants, iters):
 def main(argv=None):
     return kernel_bench_main(
         argv, doc=__doc__, module="pallas_kernels.bench_short_conv", shape_help="BxTxHxK",
-        default_shape="8x4096x32x32", default_variants="8:256:32:4,16:512:16:8",
+        default_shape="8x4096x32x32", default_variants="8:64:32:4:t,8:64:32:4:tp",
         variants_help="block:channels:steps:warps[:FLAGS] of the kernels (FLAGS: g rows gathered, t tap "
-                      "gradients carried as tiles), comma-separated",
+                      "gradients carried as tiles, p backward in two passes), comma-separated",
         bench=bench, label_header="norm block:channels:steps:warps:rows", extra_json={"timing": "pipelined"},
         label=lambda r: f"{'yes' if r['norm'] else 'no'} {r['block']}:{r['channels']}:{r['steps']}:{r['warps']}:{r['rows']}")
 

@@ -132,6 +132,35 @@ def _fwd_kernel(y_ref, bits_ref, w_ref, out_ref, *, N, BT, BC, W, K, eps, dt, sl
     store(out_ref, t0, a)
 
 
+def _dpre_of(pre, d, K, eps):
+    """dpre from the pre-activation and the branch output's cotangent d (through the norm when K)."""
+    sig = jax.nn.sigmoid(pre)
+    if K:
+        a = pre * sig
+        r = lax.rsqrt(_head_sum(a * a, K) + eps)
+        d = r * d - a * (r * r * r * _head_sum(a * d, K))
+    return d * sig * (1.0 + pre * (1.0 - sig))
+
+
+def _add_tap_products(dw, y_at, b, dpre, W, dw_tiles):
+    """dw[W-1-i] += m_i(t) y_{t-i} dpre_t for the block's rows t. ``dw_tiles``: whole [BT, BC]
+    products carried, reduced over rows once after the loop (one cross-thread reduction per tap and
+    program instead of one per step)."""
+    dw = list(dw)
+    for i in range(W):
+        term = y_at(0) * dpre if i == 0 else jnp.where(_tap(b, i), y_at(-i), 0.0) * dpre
+        dw[W - 1 - i] = dw[W - 1 - i] + (term if dw_tiles else jnp.sum(term, axis=0, keepdims=True))
+    return tuple(dw)
+
+
+def _walk_blocks(body, steps, BT, BC, W, dw_tiles, dt, dw_ref):
+    """Runs ``body(step, dw)`` over the program's blocks and writes its partial row of each tap."""
+    dw = lax.fori_loop(0, steps, body, tuple(jnp.zeros((BT if dw_tiles else 1, BC), dt) for _ in range(W)))
+    c0 = pl.program_id(0) * BC
+    for i in range(W):
+        dw_ref[pl.program_id(1) * W + i, pl.ds(c0, BC)] = jnp.sum(dw[i], axis=0)
+
+
 def _bwd_kernel(y_ref, bits_ref, w_ref, dout_ref, dy_ref, dw_ref, *, N, BT, BC, W, K, eps, dt, steps, slices,
                 dw_tiles):
     tile, bits, store = _tile_loader(N, BT, BC, slices)
@@ -147,32 +176,49 @@ def _bwd_kernel(y_ref, bits_ref, w_ref, dout_ref, dy_ref, dw_ref, *, N, BT, BC, 
                 ys[off] = tile(y_ref, t0, off, dt)
             return ys[off]
 
-        dy, dw = None, list(dw)
+        dy = None
         for j in range(W):  # dpre at the tokens j rows after each of the block's rows
             pre, b = _pre(tile_y, lambda o: bits(bits_ref, t0, o), w, W, j)
-            sig = jax.nn.sigmoid(pre)
-            a = pre * sig
-            d = tile(dout_ref, t0, j, dt)  # zero past N, so dpre is too
-            if K:
-                r = lax.rsqrt(_head_sum(a * a, K) + eps)
-                d = r * d - a * (r * r * r * _head_sum(a * d, K))
-            dpre = d * sig * (1.0 + pre * (1.0 - sig))
+            dpre = _dpre_of(pre, tile(dout_ref, t0, j, dt), K, eps)  # dout is zero past N, so dpre is too
             if j == 0:
-                for i in range(W):
-                    term = tile_y(0) * dpre if i == 0 else jnp.where(_tap(b, i), tile_y(-i), 0.0) * dpre
-                    # dw_tiles: whole [BT, BC] products carried, reduced over rows once after the loop
-                    # (one cross-thread reduction per tap and program instead of one per step)
-                    dw[W - 1 - i] = dw[W - 1 - i] + (term if dw_tiles else jnp.sum(term, axis=0, keepdims=True))
+                dw = _add_tap_products(dw, tile_y, b, dpre, W, dw_tiles)
                 dy = dpre * w[W - 1]
             else:
                 dy = dy + jnp.where(_tap(b, j), dpre, 0.0) * w[W - 1 - j]
         store(dy_ref, t0, dy)
-        return tuple(dw)
+        return dw
 
-    dw = lax.fori_loop(0, steps, body, tuple(jnp.zeros((BT if dw_tiles else 1, BC), dt) for _ in range(W)))
-    c0 = pl.program_id(0) * BC
-    for i in range(W):
-        dw_ref[pl.program_id(1) * W + i, pl.ds(c0, BC)] = jnp.sum(dw[i], axis=0)
+    _walk_blocks(body, steps, BT, BC, W, dw_tiles, dt, dw_ref)
+
+
+def _dpre_kernel(y_ref, bits_ref, w_ref, dout_ref, dpre_ref, *, N, BT, BC, W, K, eps, dt, slices):
+    """The split backward's first pass: dpre for one [block, tile] tile (the forward's math plus the
+    derivative of the norm and the SiLU), stored for the second pass to read at shifted rows."""
+    tile, bits, store = _tile_loader(N, BT, BC, slices)
+    w = _weights(w_ref, W, BC, dt)
+    t0 = pl.program_id(1) * BT
+    pre, _ = _pre(lambda o: tile(y_ref, t0, o, dt), lambda o: bits(bits_ref, t0, o), w, W, 0)
+    store(dpre_ref, t0, _dpre_of(pre, tile(dout_ref, t0, 0, dt), K, eps))
+
+
+def _dy_kernel(y_ref, bits_ref, w_ref, dpre_ref, dy_ref, dw_ref, *, N, BT, BC, W, dt, steps, slices, dw_tiles):
+    """The split backward's second pass, linear in dpre: dy from dpre at the W-1 rows after each
+    token, the taps' gradient from y at the W-1 rows before it; ``steps`` blocks a program."""
+    tile, bits, store = _tile_loader(N, BT, BC, slices)
+    w = _weights(w_ref, W, BC, dt)
+    first = pl.program_id(1) * steps
+
+    def body(step, dw):
+        t0 = (first + step) * BT
+        dpre = tile(dpre_ref, t0, 0, dt)
+        dw = _add_tap_products(dw, lambda o: tile(y_ref, t0, o, dt), bits(bits_ref, t0, 0), dpre, W, dw_tiles)
+        dy = dpre * w[W - 1]
+        for j in range(1, W):
+            dy = dy + jnp.where(_tap(bits(bits_ref, t0, j), j), tile(dpre_ref, t0, j, dt), 0.0) * w[W - 1 - j]
+        store(dy_ref, t0, dy)
+        return dw
+
+    _walk_blocks(body, steps, BT, BC, W, dw_tiles, dt, dw_ref)
 
 
 def _whole(shape):
@@ -180,7 +226,7 @@ def _whole(shape):
 
 
 def _forward(y_NC, bits_N, w_WC, cfg):
-    K, eps, BC, block, steps, interpret, num_warps, slices, _ = cfg
+    K, eps, BC, block, steps, interpret, num_warps, slices, _, _ = cfg
     N, C = y_NC.shape
     W = w_WC.shape[0]
     dt = compute_dtype(y_NC)
@@ -195,21 +241,31 @@ def _forward(y_NC, bits_N, w_WC, cfg):
 
 
 def _backward(y_NC, bits_N, w_WC, dout_NC, cfg):
-    K, eps, BC, block, steps, interpret, num_warps, slices, dw_tiles = cfg
+    K, eps, BC, block, steps, interpret, num_warps, slices, dw_tiles, split = cfg
     N, C = y_NC.shape
     W = w_WC.shape[0]
     dt = compute_dtype(y_NC)
     nb = pl.cdiv(N, block * steps)
+    whole_in = [_whole((N, C)), _whole((N,)), _whole((W, C)), _whole((N, C))]
+    params = triton_params(interpret, num_warps, 1)
+    x_NC, walk, name = dout_NC, functools.partial(_bwd_kernel, K=K, eps=eps), "kda_short_conv_bwd"
+    if split:
+        # dpre in y's dtype: the second pass reads it at W row offsets (W times against the cache),
+        # the first pass writes it once.
+        x_NC = pl.pallas_call(
+            functools.partial(_dpre_kernel, N=N, BT=block, BC=BC, W=W, K=K, eps=eps, dt=dt, slices=slices),
+            grid=(C // BC, pl.cdiv(N, block)), in_specs=whole_in, out_specs=_whole((N, C)),
+            out_shape=jax.ShapeDtypeStruct((N, C), y_NC.dtype),
+            interpret=interpret, name="kda_short_conv_dpre", compiler_params=params,
+        )(y_NC, bits_N, w_WC.astype(dt), dout_NC)
+        walk, name = _dy_kernel, "kda_short_conv_dy"
+    # A program walks ``steps`` token blocks, so the taps' gradient is one partial row per program.
     dy, dw = pl.pallas_call(
-        functools.partial(_bwd_kernel, N=N, BT=block, BC=BC, W=W, K=K, eps=eps, dt=dt, steps=steps,
-                          slices=slices, dw_tiles=dw_tiles),
-        grid=(C // BC, nb),
-        in_specs=[_whole((N, C)), _whole((N,)), _whole((W, C)), _whole((N, C))],
-        out_specs=[_whole((N, C)), _whole((nb * W, C))],
+        functools.partial(walk, N=N, BT=block, BC=BC, W=W, dt=dt, steps=steps, slices=slices, dw_tiles=dw_tiles),
+        grid=(C // BC, nb), in_specs=whole_in, out_specs=[_whole((N, C)), _whole((nb * W, C))],
         out_shape=[jax.ShapeDtypeStruct((N, C), y_NC.dtype), jax.ShapeDtypeStruct((nb * W, C), dt)],
-        interpret=interpret, name="kda_short_conv_bwd",
-        compiler_params=triton_params(interpret, num_warps, 1),
-    )(y_NC, bits_N, w_WC.astype(dt), dout_NC)
+        interpret=interpret, name=name, compiler_params=params,
+    )(y_NC, bits_N, w_WC.astype(dt), x_NC)
     return dy, dw.reshape(nb, W, C).sum(axis=0)
 
 
@@ -234,7 +290,7 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None, head_dim: int,
                      eps: float = 1e-6, *, block: int = 8, channels: int = 64, steps: int = 32,
                      interpret: bool | None = None, num_warps: int = 4, row_slices: bool = True,
-                     dw_tiles: bool = True) -> jax.Array:
+                     dw_tiles: bool = True, split_backward: bool = False) -> jax.Array:
     """`k3.kda.layer.conv_branch_xla` through the Pallas kernels: [B, T, C] in y's dtype.
 
     y: [B, T, C] projections; w: [W, C] taps (w[W-1] multiplies the current token); segment_ids:
@@ -245,7 +301,10 @@ def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Arra
     ``row_slices``: compiled kernels address the shifted tiles as row slices (True) or as gathered
     row indices (False); interpret mode always gathers. ``dw_tiles``: the backward carries the taps'
     products as [block, tile] arrays through its loop and sums their rows once at the end (True), or
-    sums them every step (False). ``interpret=None``: compiled on a GPU, interpreted elsewhere.
+    sums them every step (False). ``split_backward``: the backward as two kernels, dpre written once
+    in y's dtype by the first and read at shifted rows by the second, instead of one kernel that
+    recomputes dpre at each of the W row offsets. ``interpret=None``: compiled on a GPU, interpreted
+    elsewhere.
     """
     B, T, C = y_BTC.shape
     W = w_WC.shape[0]
@@ -261,6 +320,6 @@ def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Arra
         raise ValueError(f"conv_silu_pallas: segment_ids {jnp.shape(segment_ids_BT)} must be [B, T] = {(B, T)}")
     interpret = default_interpret() if interpret is None else bool(interpret)
     cfg = (int(head_dim), float(eps), BC, block, steps, interpret, num_warps, bool(row_slices) and not interpret,
-           bool(dw_tiles))
+           bool(dw_tiles), bool(split_backward))
     out = _conv(y_BTC.reshape(B * T, C), tap_bits(segment_ids_BT, B, T, W), w_WC, cfg)
     return out.reshape(B, T, C)

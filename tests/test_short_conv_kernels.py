@@ -49,6 +49,9 @@ def _inputs(seed, B, T, C, dtype, docs=3):
     (2, 45, 128, 0, {}),                                     # the defaults: two channel tiles
     (2, 37, 64, 32, dict(block=8, channels=64, steps=2, dw_tiles=False)),  # taps' gradient summed every step
     (3, 20, 64, 16, dict(block=4, channels=16, steps=4, dw_tiles=False)),
+    (2, 37, 64, 32, dict(block=8, channels=64, steps=2, split_backward=True)),  # backward in two passes
+    (1, 1, 32, 0, dict(block=8, channels=32, steps=1, split_backward=True)),
+    (3, 20, 64, 16, dict(block=4, channels=16, steps=4, dw_tiles=False, split_backward=True)),
 ])
 def test_kernels_match_float64_reference(x64, B, T, C, head_dim, kw):
     """Output and the gradients of y and the taps, in float64, against autodiff of `conv_plain`."""
@@ -69,12 +72,12 @@ def test_no_segments_and_a_row_start_never_see_the_previous_row(x64):
     np.testing.assert_allclose(got[1:], alone, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("head_dim", [32, 0])
-def test_kernels_bf16_match_jnp_backend(head_dim):
-    """bf16 projections as in training: kernels and `conv_branch_xla` agree to bf16 rounding, and the
-    gradients keep their inputs' dtypes."""
+@pytest.mark.parametrize("head_dim,split", [(32, False), (0, False), (32, True)])
+def test_kernels_bf16_match_jnp_backend(head_dim, split):
+    """bf16 projections as in training: kernels and `conv_branch_xla` agree to bf16 rounding (the
+    two-pass backward stores dpre in bf16), and the gradients keep their inputs' dtypes."""
     y, w, seg, dout = _inputs(7, 2, 40, 64, jnp.bfloat16)
-    got, got_vjp = jax.vjp(lambda y, w: conv_silu_pallas(y, w, seg, head_dim), y, w)
+    got, got_vjp = jax.vjp(lambda y, w: conv_silu_pallas(y, w, seg, head_dim, split_backward=split), y, w)
     want, want_vjp = jax.vjp(lambda y, w: kda_layer.conv_branch_xla(y, w, seg, head_dim), y, w)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
