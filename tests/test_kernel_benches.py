@@ -10,15 +10,15 @@ from pallas_kernels import bench_attn_res, bench_short_conv
 
 def test_short_conv_bench_rows_and_json(tmp_path):
     out = tmp_path / "conv.json"
-    rows = bench_short_conv.main(["--shape=1x40x2x16", "--variants=8:32:2:4,4:16:4:2:g", "--iters=1",
+    rows = bench_short_conv.main(["--shape=1x40x2x16", "--variants=8:32:2:4,4:16:4:2:g,4:16:4:2:tp", "--iters=1",
                                   f"--json={out}"])
     assert [(r["impl"], r["norm"], r["rows"]) for r in rows] == [
-        ("jnp", True, ""), ("pallas", True, "s"), ("pallas", True, "g"),
-        ("jnp", False, ""), ("pallas", False, "s"), ("pallas", False, "g")]
+        ("jnp", True, ""), ("pallas", True, "s"), ("pallas", True, "g"), ("pallas", True, "tp"),
+        ("jnp", False, ""), ("pallas", False, "s"), ("pallas", False, "g"), ("pallas", False, "tp")]
     assert all(r["max_rel_diff_vs_jnp"] < 1e-2 and r["fwdbwd_ms"] > 0 for r in rows)
     saved = json.loads(out.read_text())
     assert saved["command"].startswith("python -m pallas_kernels.bench_short_conv --shape=1x40x2x16")
-    assert saved["timing"] == "pipelined" and len(saved["rows"]) == 6
+    assert saved["timing"] == "pipelined" and len(saved["rows"]) == 8
 
 
 def test_attn_res_bench_rows_and_bad_shape(capsys):
