@@ -54,7 +54,8 @@ _KERNEL_RESIDUALS = (KDA_RESIDUALS, ATTENTION_RESIDUALS, WEIGHT_CAST)
 # Policies that keep the Pallas KDA kernel's inputs across the forward (the planner counts them).
 SAVES_KDA_INPUTS = frozenset({"dots_kernels_glu_inputs"})
 # Policies whose saved residuals include the weight casts (the planner counts their bytes).
-SAVES_WEIGHT_CASTS = frozenset({"dots_kernels", "dots_kernels_glu", "dots_kernels_glu_inputs", "matmuls_kernels"})
+SAVES_WEIGHT_CASTS = frozenset({"dots_kernels", "dots_kernels_glu", "dots_kernels_glu_inputs",
+                                "matmuls_kernels"})
 
 
 @REMAT_POLICIES.register("dots_kernels")

@@ -76,7 +76,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import KDA_INPUTS, KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16, triton_params
+from pallas_kernels.common import (KDA_INPUTS, KDA_RESIDUALS, default_interpret, document_index, pow2_at_least_16,
+                                    triton_params)
 from pallas_kernels.kda_inputs import validate_kda_inputs
 
 __all__ = ["chunk_kda"]
