@@ -579,7 +579,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
                    gathered (compute-dtype) weights; with remat, ``cast_bytes``: the compute-dtype
                    copies of the local parameters that a '*_kernels' policy keeps
       kept inputs  remat under a policy in `k3.model.SAVES_KDA_INPUTS` with the Pallas KDA core: every
-                   KDA layer's kernel inputs (`k3.kda.cost.kda_input_bytes`)
+                   KDA layer's kernel inputs (`k3.kda.cost.kda_input_bytes`), which the working set
+                   then leaves out
       working set  remat: the residuals of one body group or one unrolled layer during its backward
                    (recomputed), whichever is larger, plus the stream cotangents (2 carries) and one
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
@@ -603,14 +604,16 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
     if remat:
         out["carries"] = (repeats + len(unrolled)) * carry
         kept = []
-        group = sum(res[i]["total"] for i in body_idx[:period]) if repeats else 0.0
-        largest = max([group] + [res[i]["total"] for i in unrolled])
+        # Kept KDA inputs are held for the whole step, so a recomputed layer's working set leaves them out.
+        keeps_inputs = m.remat_policy in SAVES_KDA_INPUTS and lay.kda_core == "pallas"
+        inputs = [kda_input_bytes(m, lay, a) if keeps_inputs and mixer == "kda" else 0.0 for mixer, _ in kinds]
+        held = [r["total"] - x for r, x in zip(res, inputs)]
+        group = sum(held[i] for i in body_idx[:period]) if repeats else 0.0
+        largest = max([group] + [held[i] for i in unrolled])
         out["working_set"] = (largest + 2 * carry
                               + 2 * max([gather_bytes["body_group"]] + gather_bytes["unrolled"]))
         out["kept_weights"] = float(cast_bytes)
-        keeps_inputs = m.remat_policy in SAVES_KDA_INPUTS and lay.kda_core == "pallas"
-        out["kept_inputs"] = (sum(kda_input_bytes(m, lay, a) for mixer, _ in kinds if mixer == "kda")
-                              if keeps_inputs else 0.0)
+        out["kept_inputs"] = sum(inputs)
     else:
         out["carries"] = 0.0
         kept = unrolled + body_idx

@@ -4,8 +4,8 @@
 
 Variants: block:channels:steps:warps, then optionally :FLAGS with g to address rows by gathered indices
 instead of slices, t to carry the taps' gradient as whole tiles and p for the backward in two passes
-(`conv_silu_pallas`'s row_slices, dw_tiles and split_backward). Shape BxTxHxK: B x T tokens in packed documents of 512, H heads
-of K channels, bf16, 4 taps. Each row times one branch with the per-head L2 norm (q, k) and one
+(`conv_silu_pallas`'s row_slices, dw_tiles and split_backward). Shape BxTxHxK: B x T tokens in packed
+documents of 512, H heads of K channels, bf16, 4 taps. Each row times one branch with the per-head L2 norm (q, k) and one
 without (v), forward and forward + backward (gradients of y and the taps) under `jax.jit`: --iters
 calls dispatched back to back and waited for once (`pallas_kernels.common.pipelined_seconds`). A
 call takes a fraction of a millisecond; timed one by one, each with its own wait, the same variant

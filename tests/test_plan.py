@@ -199,7 +199,8 @@ def test_saved_residual_bytes_follow_the_remat_policy_and_the_tokens():
 def test_kept_kda_inputs_are_what_the_traced_step_keeps():
     """'dots_kernels_glu_inputs' keeps the Pallas KDA kernel's inputs (q, k, v, the cumulative gate,
     beta) of every KDA layer: the traced residuals exceed 'dots_kernels_glu''s by exactly the
-    planner's 'kept_inputs', at two batches; with the jnp KDA core nothing is named and both agree."""
+    planner's 'kept_inputs', at two batches, and the recomputed group's working set no longer holds
+    its inputs; with the jnp KDA core nothing is named and both agree."""
     def cfg(policy):
         c = default_config()
         c.model = tiny_model_cfg(dtype="bfloat16", **{"kda.head_dim": 16})
@@ -209,11 +210,14 @@ def test_kept_kda_inputs_are_what_the_traced_step_keeps():
     for batch in (1, 3):
         extra = (P.saved_residual_bytes(cfg("dots_kernels_glu_inputs"), batch, 32, platform="gpu")
                  - P.saved_residual_bytes(cfg("dots_kernels_glu"), batch, 32, platform="gpu"))
-        planned = P.plan(P.load_model(cfg("dots_kernels_glu_inputs")), ONE, "h200", batch=batch, seq=32,
-                         remat=True)["memory"]["activation_terms"]["kept_inputs"]
+        terms = {p: P.plan(P.load_model(cfg(p)), ONE, "h200", batch=batch, seq=32,
+                           remat=True)["memory"]["activation_terms"]
+                 for p in ("dots_kernels_glu_inputs", "dots_kernels_glu")}
+        planned = terms["dots_kernels_glu_inputs"]["kept_inputs"]
         assert extra == planned > 0, (batch, extra, planned)
-        assert P.plan(P.load_model(cfg("dots_kernels_glu")), ONE, "h200", batch=batch, seq=32,
-                      remat=True)["memory"]["activation_terms"]["kept_inputs"] == 0
+        assert terms["dots_kernels_glu"]["kept_inputs"] == 0
+        freed = terms["dots_kernels_glu"]["working_set"] - terms["dots_kernels_glu_inputs"]["working_set"]
+        assert 0 < freed < planned, (freed, planned)
     assert (P.saved_residual_bytes(cfg("dots_kernels_glu_inputs"), 2, 32, platform="cpu")
             == P.saved_residual_bytes(cfg("dots_kernels_glu"), 2, 32, platform="cpu"))
 
