@@ -41,8 +41,9 @@ def _mix_logits(v, w, eps):
     return jnp.einsum("...btd,d->...bt", v, w) * r, r
 
 
-def _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
+def _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None):
     dt = compute_dtype(cands_MBTD, extra_BTD)
+    cands_MBTD, valid_M = cands_MBTD[:n_valid], valid_M[:n_valid]
     v, ve, w = cands_MBTD.astype(dt), extra_BTD.astype(dt), w_D.astype(dt)
     lg, r = _mix_logits(v, w, eps)
     le, re = _mix_logits(ve, w, eps)
@@ -58,12 +59,14 @@ def _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
     return out.astype(cands_MBTD.dtype), (p, pe, lg, le, r, re)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def depth_mix(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
-              w_D: jax.Array, eps: float) -> jax.Array:
+              w_D: jax.Array, eps: float, n_valid: int | None = None) -> jax.Array:
     """Softmax mix over depth of the valid candidates [M, B, T, D] and one further candidate [B, T, D]
     (validity: bool [M] and a bool scalar), scored by logit = (v . w) / rms(v): [B, T, D] in the
-    candidates' dtype, computed in fp32 (float64 for float64 inputs).
+    candidates' dtype, computed in fp32 (float64 for float64 inputs). ``n_valid``: a static count
+    that says the candidates past the first n_valid are invalid, so they are neither read nor given
+    a (zero) gradient by any pass over the candidates; None: all M are read.
 
     Its backward reads the candidates as given and keeps only the per-candidate probabilities,
     logits and inverse RMS ([M, B, T] each) from the forward: autodiff kept fp32 copies of every
@@ -74,17 +77,18 @@ def depth_mix(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, e
         dw       = sum_{m, b, t} dlogit_m r_m v_m
     Invalid candidates get p = 0 and so no gradient. Reverse mode only (a custom VJP).
     """
-    return _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)[0]
+    return _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid)[0]
 
 
-def _depth_mix_fwd(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
-    out, stats = _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)
+def _depth_mix_fwd(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid):
+    out, stats = _mix_forward(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid)
     return out, (cands_MBTD, extra_BTD, w_D) + stats
 
 
-def _depth_mix_bwd(eps, res, dout_BTD):
+def _depth_mix_bwd(eps, n_valid, res, dout_BTD):
     del eps
-    cands, extra, w_D, p, pe, lg, le, r, re = res
+    cands_all, extra, w_D, p, pe, lg, le, r, re = res
+    cands = cands_all[:n_valid]
     dt = p.dtype
     v, ve, w, d = cands.astype(dt), extra.astype(dt), w_D.astype(dt), dout_BTD.astype(dt)
     D = v.shape[-1]
@@ -94,6 +98,7 @@ def _depth_mix_bwd(eps, res, dout_BTD):
     dv = p[..., None] * d + dl[..., None] * (r[..., None] * w - (lg * r * r / D)[..., None] * v)
     dve = pe[..., None] * d + dle[..., None] * (re[..., None] * w - (le * re * re / D)[..., None] * ve)
     dw = jnp.einsum("mbt,mbtd->d", dl * r, v) + jnp.einsum("bt,btd->d", dle * re, ve)
+    dv = jnp.pad(dv, ((0, cands_all.shape[0] - cands.shape[0]),) + ((0, 0),) * 3)
     return dv.astype(cands.dtype), None, dve.astype(extra.dtype), None, dw.astype(w_D.dtype)
 
 
@@ -106,12 +111,12 @@ MIX_BACKENDS.register("xla")(depth_mix)
 
 
 @MIX_BACKENDS.register("pallas")
-def depth_mix_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps):
+def depth_mix_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None):
     """`depth_mix` through the Pallas kernels where the width suits their tiles (a power of two >= 16,
     `kernel_width_ok`); other widths (the ladder's d384, d448) run `depth_mix` itself."""
     if not kernel_width_ok(cands_MBTD.shape[-1]):
-        return depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)
-    return depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps)
+        return depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid)
+    return depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid)
 
 
 class AttnResMix(nnx.Module):
@@ -130,12 +135,14 @@ class AttnResMix(nnx.Module):
         self.norm = param(rngs, ones, (d_model,), ("embed",))
 
     def __call__(self, cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array | None = None,
-                 extra_valid=None) -> jax.Array:
+                 extra_valid=None, n_valid: int | None = None) -> jax.Array:
         """Mix of the valid candidates -> [B, T, D] (`depth_mix`).
 
         cands: [M, B, T, D]; valid: [M] bool; extra: an optional further candidate [B, T, D] with its
         validity (a bool scalar). Passing the running partial sum as ``extra`` instead of
         concatenating it to the bank keeps the [M + 1, B, T, D] copy out of every sublayer.
+        n_valid: a static count of leading candidates that may be valid (`bank_count`); the rest
+        are skipped.
         """
         with jax.named_scope("attn_res"):
             w = (self.query[...] * self.norm[...]).astype(jnp.float32)
@@ -148,9 +155,9 @@ class AttnResMix(nnx.Module):
                 tok = sh.spec(("batch", "seq", None), extra_BTD.shape)
                 cand = PartitionSpec(None, *tok)
                 rep = PartitionSpec()
-                return jax.shard_map(lambda *a: mix(*a, self.eps), mesh=sh.mesh,
+                return jax.shard_map(lambda *a: mix(*a, self.eps, n_valid), mesh=sh.mesh,
                                      in_specs=(cand, rep, tok, rep, rep), out_specs=tok, check_vma=False)(*args)
-            return mix(*args, self.eps)
+            return mix(*args, self.eps, n_valid)
 
 
 def n_bank_slots(n_layers: int, block_size: int) -> int:
@@ -210,12 +217,24 @@ def init_stream(emb_BTD: jax.Array, residual: str, n_slots: int) -> dict:
             "has_partial": jnp.zeros((), bool)}
 
 
-def read(stream: dict, mix: AttnResMix | None) -> jax.Array:
-    """The input of the next sublayer (before its pre-norm): [B, T, D]."""
+def bank_count(layer_idx: int, block_size: int, sublayer: str) -> int:
+    """How many bank slots hold something when layer ``layer_idx``'s 'attention' or 'ffn' mix reads a
+    stream that `init_stream` started before layer 0: the embedding plus the blocks banked so far
+    (a block is banked by the attention sublayer of the next block's first layer, after its read).
+    The output mix after L layers reads ``bank_count(L - 1, block_size, 'ffn')``."""
+    done = layer_idx if sublayer == "ffn" else layer_idx - 1
+    return 1 + max(done, 0) // block_size
+
+
+def read(stream: dict, mix: AttnResMix | None, n_valid: int | None = None) -> jax.Array:
+    """The input of the next sublayer (before its pre-norm): [B, T, D]. ``n_valid``: the stream's
+    bank count when it is known statically (`bank_count`, unrolled layers), so the mix skips the
+    slots past it; None: the traced count alone decides."""
     if "h" in stream:
         return stream["h"]
     bank = stream["bank"]
-    return mix(bank, jnp.arange(bank.shape[0]) < stream["count"], stream["partial"], stream["has_partial"])
+    return mix(bank, jnp.arange(bank.shape[0]) < stream["count"], stream["partial"], stream["has_partial"],
+               n_valid=n_valid)
 
 
 def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int, may_start: bool = True) -> dict:

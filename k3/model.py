@@ -147,14 +147,14 @@ class DecoderLayer(nnx.Module):
         """Returns the updated stream and this layer's statistics: MoE routing ('load', 'balance')
         and, when tracked, the MLA per-head max logit ('max_logit'); {} when there are none."""
         stream = _constrain_stream(stream, self.sharder)
-        x = attn_res.read(stream, self.attn_mix)
+        x = attn_res.read(stream, self.attn_mix, self._bank_count(layer_idx, "attention"))
         stats = {}
         if self.track_max_logit:
             a, stats["max_logit"] = self.mixer(self.attn_norm(x), segment_ids_BT, return_max_logit=True)
         else:
             a = self.mixer(self.attn_norm(x), segment_ids_BT)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size, self.may_start)
-        x = attn_res.read(stream, self.ffn_mix)
+        x = attn_res.read(stream, self.ffn_mix, self._bank_count(layer_idx, "ffn"))
         if self.ffn_kind == "moe":
             f, layer_stats = self.ffn(self.ffn_norm(x))
             stats.update(layer_stats)
@@ -162,13 +162,18 @@ class DecoderLayer(nnx.Module):
             f = self.ffn(self.ffn_norm(x))
         return _constrain_stream(attn_res.add_ffn(stream, f), self.sharder), stats
 
+    def _bank_count(self, layer_idx, sublayer: str) -> int | None:
+        """The bank's count at this mix when the layer index is static (an unrolled layer), so the mix
+        skips the empty slots; None in a scanned body, where the index is traced."""
+        return attn_res.bank_count(layer_idx, self.block_size, sublayer) if isinstance(layer_idx, int) else None
+
     def extend(self, stream: dict, cache: dict, layer_idx, start_B, n_valid_B, keep_inputs: bool = False):
         """Decode path of `__call__`: the mixer continues from its ``cache``; returns (stream, update):
         a KDA layer's whole new cache, or an MLA layer's new rows (see `MLA.extend`)."""
-        x = attn_res.read(stream, self.attn_mix)
+        x = attn_res.read(stream, self.attn_mix, self._bank_count(layer_idx, "attention"))
         a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B, keep_inputs)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size, self.may_start)
-        x = attn_res.read(stream, self.ffn_mix)
+        x = attn_res.read(stream, self.ffn_mix, self._bank_count(layer_idx, "ffn"))
         if self.ffn_kind == "moe":
             f = self.ffn(self.ffn_norm(x), decode=True)[0]
         else:
@@ -254,6 +259,7 @@ class Model(nnx.Module):
         self.remat_policy = REMAT_POLICIES.get(cfg.remat_policy)()
         self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
         self.n_slots = attn_res.n_bank_slots(cfg.n_layers, cfg.attn_res_block_size)
+        self.block_size = cfg.attn_res_block_size
         head, (start, period, repeats), tail = plan_layers(cfg)
         self.head_idx, self.tail_idx = tuple(head), tuple(tail)
         self.body_start, self.body_period, self.body_repeats = start, period, repeats
@@ -301,8 +307,12 @@ class Model(nnx.Module):
         # Unrolled layers are rematerialised one by one, as each scanned group is (K3's dense first
         # layer and extra last MLA layer would otherwise keep every activation for the backward pass).
         stream, _, stats = walk_layers(self, stream, step, remat=self.remat, policy=self.remat_policy)
-        h = attn_res.read(stream, self.out_mix)
+        h = attn_res.read(stream, self.out_mix, self.out_bank_count())
         return self.final_norm(h), stats
+
+    def out_bank_count(self) -> int:
+        """The bank's count when the output mix reads it (`k3.attn_res.bank_count`)."""
+        return attn_res.bank_count(self.n_layers - 1, self.block_size, "ffn")
 
     def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Logits [B, T, V] (compute dtype) and aux outputs.

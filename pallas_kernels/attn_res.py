@@ -9,17 +9,21 @@ XLA splits this into several fusions that each re-read the [M, N, D] candidates,
 bandwidth (a row reduction and the broadcast that consumes it in one fusion). Here one program owns
 ``block`` whole tokens of every candidate: the forward loads each candidate block twice (statistics,
 then the mix; the repeat should come from cache, which the profile has not checked) and writes the
-mix plus per-token statistics p, logit, r ([M + 1, N] fp32 each); the backward reads candidates
-and dout, and writes the candidates' gradients and one partial dw row per program, summed by XLA.
-On the H200 at K3 1024:12's shape the pair runs at 42% of HBM bandwidth, 2.2x the jnp mix
-(BENCHMARKS.md).
+mix plus per-token statistics p, logit, r ([n + 1, N] fp32 each); the backward reads candidates
+and dout, and writes the candidates' gradients and one partial dw row per program (``steps``
+blocks), summed by XLA. Only the first n bank slots are touched: a static count (the bank's slots
+fill one block at a time, and unrolled layers know how many are filled) keeps the empty ones out
+of both passes. On the H200 at K3 1024:12's shape the pair ran at 42% of HBM bandwidth, 2.2x the
+jnp mix (BENCHMARKS.md).
 
-Kernels (Pallas Triton; grid (N / block,), N = B T tokens, fp32 math):
-    _fwd  candidates [M, N, D], extra [N, D] -> out [N, D], p / logit / r [M + 1, N]
-    _bwd  candidates, extra, dout, statistics -> d candidates, d extra, dw partials [N / block, D]
+Kernels (Pallas Triton; N = B T tokens, fp32 math):
+    _fwd  grid (N / block,): bank [M, N, D] (first n read), extra [N, D] -> out [N, D], p / logit / r [n + 1, N]
+    _bwd  grid (N / (block steps),): bank, extra, dout, statistics -> d bank [n, N, D], d extra,
+          dw partials [N / (block steps), D]
 
 Contract: D (the model width) is a power of two >= 16, as Triton's tiles need (`k3.attn_res`'s
-'pallas' backend sends other widths to the reference). N is padded with zero tokens to a multiple of the block.
+'pallas' backend sends other widths to the reference). N is padded with zero tokens to a multiple
+of block * steps.
 The same source runs interpreted on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -42,16 +46,16 @@ def kernel_width_ok(d_model: int) -> bool:
     return d_model >= 16 and d_model & (d_model - 1) == 0
 
 
-def _candidate(cands_ref, extra_ref, m, M, dt):
-    return (cands_ref[m] if m < M else extra_ref[...]).astype(dt)
+def _candidate(cands_ref, extra_ref, m, n, dt, rows=slice(None)):
+    return (cands_ref[m, rows, :] if m < n else extra_ref[rows, :]).astype(dt)
 
 
-def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, r_ref, *, M, D, eps):
+def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, r_ref, *, n, D, eps):
     dt = p_ref.dtype
     w = w_ref[...].astype(dt)  # [1, D]
     logits, rs, masked = [], [], []
-    for m in range(M + 1):
-        v = _candidate(cands_ref, extra_ref, m, M, dt)
+    for m in range(n + 1):
+        v = _candidate(cands_ref, extra_ref, m, n, dt)
         r = lax.rsqrt(jnp.sum(v * v, axis=1) / D + eps)
         lg = jnp.sum(v * w, axis=1) * r
         ok = jnp.max(valid_ref[m, :]) > 0.5  # the flag is replicated along a 16-wide row
@@ -64,9 +68,9 @@ def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, 
     z = functools.reduce(jnp.add, e)
     z = jnp.where(z > 0, z, 1.0)  # no valid candidate: a zero mix instead of 0 / 0
     out = None
-    for m in range(M + 1):
+    for m in range(n + 1):
         p = e[m] / z
-        term = p[:, None] * _candidate(cands_ref, extra_ref, m, M, dt)
+        term = p[:, None] * _candidate(cands_ref, extra_ref, m, n, dt)
         out = term if out is None else out + term
         p_ref[m, :] = p
         lg_ref[m, :] = logits[m]
@@ -74,43 +78,54 @@ def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, 
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, p_ref, lg_ref, r_ref, dc_ref, de_ref, dw_ref, *, M, D):
+def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, p_ref, lg_ref, r_ref, dc_ref, de_ref, dw_ref, *, n, D,
+                block, steps):
+    """``steps`` sub-blocks of ``block`` tokens in a loop (not unrolled: unrolled, the compiler kept
+    several sub-blocks live and spilled), so that a program's partial dw row covers block * steps
+    tokens (the partial rows are summed by XLA: [N / block] rows of D fp32 were as many bytes as a
+    bf16 candidate)."""
     dt = p_ref.dtype
     w = w_ref[...].astype(dt)
-    d = dout_ref[...].astype(dt)
-    p = [p_ref[m, :] for m in range(M + 1)]
-    g = [jnp.sum(d * _candidate(cands_ref, extra_ref, m, M, dt), axis=1) for m in range(M + 1)]
-    gbar = functools.reduce(jnp.add, [pm * gm for pm, gm in zip(p, g)])
-    dw = jnp.zeros_like(w)
-    for m in range(M + 1):
-        v = _candidate(cands_ref, extra_ref, m, M, dt)
-        r, lg = r_ref[m, :], lg_ref[m, :]
-        dl = p[m] * (g[m] - gbar)
-        dv = p[m][:, None] * d + dl[:, None] * (r[:, None] * w - (lg * r * r / D)[:, None] * v)
-        if m < M:
-            dc_ref[m] = dv.astype(dc_ref.dtype)
-        else:
-            de_ref[...] = dv.astype(de_ref.dtype)
-        dw = dw + jnp.sum((dl * r)[:, None] * v, axis=0, keepdims=True)
-    dw_ref[...] = dw
+
+    def sub_block(s, dw):
+        rows = pl.ds(pl.multiple_of(s * block, block), block)
+        d = dout_ref[rows, :].astype(dt)
+        p = [p_ref[m, rows] for m in range(n + 1)]
+        g = [jnp.sum(d * _candidate(cands_ref, extra_ref, m, n, dt, rows), axis=1) for m in range(n + 1)]
+        gbar = functools.reduce(jnp.add, [pm * gm for pm, gm in zip(p, g)])
+        for m in range(n + 1):
+            v = _candidate(cands_ref, extra_ref, m, n, dt, rows)
+            r, lg = r_ref[m, rows], lg_ref[m, rows]
+            dl = p[m] * (g[m] - gbar)
+            dv = p[m][:, None] * d + dl[:, None] * (r[:, None] * w - (lg * r * r / D)[:, None] * v)
+            if m < n:
+                dc_ref[m, rows, :] = dv.astype(dc_ref.dtype)
+            else:
+                de_ref[rows, :] = dv.astype(de_ref.dtype)
+            dw = dw + jnp.sum((dl * r)[:, None] * v, axis=0, keepdims=True)
+        return dw
+
+    dw_ref[...] = lax.fori_loop(0, steps, sub_block, jnp.zeros_like(w))
 
 
-def _specs(M, BN, D):
-    """(candidates [M, N, D], a token block [N, D], per-candidate token stats [M + 1, N], whole array)."""
-    return (pl.BlockSpec((M, BN, D), lambda i: (0, i, 0)), pl.BlockSpec((BN, D), lambda i: (i, 0)),
-            pl.BlockSpec((M + 1, BN), lambda i: (0, i)), lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape)))
+def _specs(M, n, BN, D):
+    """(the bank [M, N, D] read, its first n slots written, a token block [N, D], per-candidate
+    token stats [n + 1, N], a whole array) for token blocks of BN."""
+    return (pl.BlockSpec((M, BN, D), lambda i: (0, i, 0)), pl.BlockSpec((n, BN, D), lambda i: (0, i, 0)),
+            pl.BlockSpec((BN, D), lambda i: (i, 0)), pl.BlockSpec((n + 1, BN), lambda i: (0, i)),
+            lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape)))
 
 
-def _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
+def _forward(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, interpret, num_warps):
     M, N, D = cands_MND.shape
     dt = compute_dtype(cands_MND)
-    cand, tok, stat, whole = _specs(M, block, D)
-    valid = jnp.broadcast_to(valid_M1.astype(dt)[:, None], (M + 1, 16))
+    cand, _, tok, stat, whole = _specs(M, n, block, D)
+    valid = jnp.broadcast_to(valid_n1.astype(dt)[:, None], (n + 1, 16))
     w = w_D.astype(dt)[None, :]
-    stat_shape = jax.ShapeDtypeStruct((M + 1, N), dt)
+    stat_shape = jax.ShapeDtypeStruct((n + 1, N), dt)
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, M=M, D=D, eps=eps), grid=(N // block,),
-        in_specs=[cand, tok, whole((M + 1, 16)), whole((1, D))],
+        functools.partial(_fwd_kernel, n=n, D=D, eps=eps), grid=(N // block,),
+        in_specs=[cand, tok, whole((n + 1, 16)), whole((1, D))],
         out_specs=[tok, stat, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((N, D), cands_MND.dtype), stat_shape, stat_shape, stat_shape],
         interpret=interpret, name="attn_res_mix_fwd",
@@ -118,36 +133,39 @@ def _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warp
     )(cands_MND, extra_ND, valid, w)
 
 
-def _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, block, interpret, num_warps):
+def _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, n, block, steps, interpret, num_warps):
     M, N, D = cands_MND.shape
-    cand, tok, stat, whole = _specs(M, block, D)
+    cand, written, tok, stat, whole = _specs(M, n, block * steps, D)
+    nb = N // (block * steps)
     dc, de, dw = pl.pallas_call(
-        functools.partial(_bwd_kernel, M=M, D=D), grid=(N // block,),
+        functools.partial(_bwd_kernel, n=n, D=D, block=block, steps=steps), grid=(nb,),
         in_specs=[cand, tok, tok, whole((1, D)), stat, stat, stat],
-        out_specs=[cand, tok, pl.BlockSpec((1, D), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct(cands_MND.shape, cands_MND.dtype),
+        out_specs=[written, tok, pl.BlockSpec((1, D), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((n, N, D), cands_MND.dtype),
                    jax.ShapeDtypeStruct(extra_ND.shape, extra_ND.dtype),
-                   jax.ShapeDtypeStruct((N // block, D), p.dtype)],
+                   jax.ShapeDtypeStruct((nb, D), p.dtype)],
         interpret=interpret, name="attn_res_mix_bwd",
         compiler_params=triton_params(interpret, num_warps, 1),
     )(cands_MND, extra_ND, dout_ND, w_D.astype(p.dtype)[None, :], p, lg, r)
+    if n < M:  # the slots past n are invalid: no gradient
+        dc = jnp.pad(dc, ((0, M - n), (0, 0), (0, 0)))
     return dc, de, jnp.sum(dw, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _mix(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
-    return _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _mix(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, steps, interpret, num_warps):
+    return _forward(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, interpret, num_warps)[0]
 
 
-def _mix_fwd(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps):
-    out, p, lg, r = _forward(cands_MND, extra_ND, valid_M1, w_D, eps, block, interpret, num_warps)
+def _mix_fwd(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, steps, interpret, num_warps):
+    out, p, lg, r = _forward(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, interpret, num_warps)
     return out, (cands_MND, extra_ND, w_D, p, lg, r)
 
 
-def _mix_bwd(eps, block, interpret, num_warps, res, dout_ND):
+def _mix_bwd(eps, n, block, steps, interpret, num_warps, res, dout_ND):
     del eps
     cands_MND, extra_ND, w_D, p, lg, r = res
-    dc, de, dw = _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, block, interpret, num_warps)
+    dc, de, dw = _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, n, block, steps, interpret, num_warps)
     return dc, de, None, dw.astype(w_D.dtype)
 
 
@@ -155,31 +173,40 @@ _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
-                     w_D: jax.Array, eps: float, *, block: int = 2, interpret: bool | None = None,
-                     num_warps: int = 1) -> jax.Array:
+                     w_D: jax.Array, eps: float, *, n_valid: int | None = None, block: int = 2, steps: int = 1,
+                     interpret: bool | None = None, num_warps: int = 1) -> jax.Array:
     """`k3.attn_res.depth_mix` through the Pallas kernels: [B, T, D] in the candidates' dtype.
 
     cands: [M, B, T, D]; valid: [M] bool; extra: [B, T, D] with its validity (bool scalar); w: [D]
-    fp32 (pseudo-query times norm gain). Differentiable in cands, extra and w. ``block`` tokens per
+    fp32 (pseudo-query times norm gain). Differentiable in cands, extra and w. ``n_valid``: a static
+    count that says the candidates past the first n_valid are invalid (the bank's unfilled slots): the
+    kernels neither read them nor write their (zero) gradients; None reads all M. ``block`` tokens per
     program (a power of two) and ``num_warps``: 2 and 1 ran fastest of 13 settings on the H200 at
-    K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`). ``interpret=None``:
-    compiled on a GPU, interpreted elsewhere. D must be a power of two >= 16.
+    K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`); the backward's program
+    walks ``steps`` such blocks. ``interpret=None``: compiled on a GPU, interpreted elsewhere. D must
+    be a power of two >= 16.
     """
     M, B, T, D = cands_MBTD.shape
     if extra_BTD.shape != (B, T, D) or valid_M.shape != (M,):
         raise ValueError(f"depth_mix_pallas: candidates {cands_MBTD.shape} need extra [B, T, D] = {(B, T, D)} "
                          f"and valid [M] = {(M,)}; got {extra_BTD.shape} and {valid_M.shape}")
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"depth_mix_pallas: block must be a power of two; got {block}")
+    for name, v in (("block", block), ("steps", steps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"depth_mix_pallas: {name} must be a power of two; got {v}")
     if not kernel_width_ok(D):
         raise ValueError(f"depth_mix_pallas: the width D must be a power of two >= 16; got {D}")
+    n = M if n_valid is None else int(n_valid)
+    if not 0 <= n <= M:
+        raise ValueError(f"depth_mix_pallas: n_valid must be in [0, M = {M}]; got {n_valid}")
     interpret = default_interpret() if interpret is None else bool(interpret)
     N = B * T
-    Np = -(-N // block) * block
+    # The backward's programs take block * steps tokens; fewer steps for short inputs (tests, decode).
+    steps = min(steps, pl.next_power_of_2(-(-N // block)))
+    Np = -(-N // (block * steps)) * block * steps
     cands, extra = cands_MBTD.reshape(M, N, D), extra_BTD.reshape(N, D)
     if Np != N:  # zero tokens: finite statistics, zero gradients, sliced away
         cands = jnp.pad(cands, ((0, 0), (0, Np - N), (0, 0)))
         extra = jnp.pad(extra, ((0, Np - N), (0, 0)))
-    valid = jnp.concatenate([jnp.asarray(valid_M, bool), jnp.asarray(extra_valid, bool)[None]])
-    out = _mix(cands, extra, valid, w_D, float(eps), block, interpret, num_warps)
+    valid = jnp.concatenate([jnp.asarray(valid_M, bool)[:n], jnp.asarray(extra_valid, bool)[None]])
+    out = _mix(cands, extra, valid, w_D, float(eps), n, block, steps, interpret, num_warps)
     return out[:N].reshape(B, T, D)

@@ -250,12 +250,13 @@ def _backward(y_NC, bits_N, w_WC, dout_NC, cfg):
     params = triton_params(interpret, num_warps, 1)
     x_NC, walk, name = dout_NC, functools.partial(_bwd_kernel, K=K, eps=eps), "kda_short_conv_bwd"
     if split:
-        # dpre in y's dtype: the second pass reads it at W row offsets (W times against the cache),
-        # the first pass writes it once.
+        # dpre in the compute dtype (fp32 for bf16 y): the second pass reads it at W row offsets (W
+        # times against the cache), the first pass writes it once. Rounded to bf16 it cost the taps'
+        # gradient, a sum over every token, 4x the error of the fused backward.
         x_NC = pl.pallas_call(
             functools.partial(_dpre_kernel, N=N, BT=block, BC=BC, W=W, K=K, eps=eps, dt=dt, slices=slices),
             grid=(C // BC, pl.cdiv(N, block)), in_specs=whole_in, out_specs=_whole((N, C)),
-            out_shape=jax.ShapeDtypeStruct((N, C), y_NC.dtype),
+            out_shape=jax.ShapeDtypeStruct((N, C), dt),
             interpret=interpret, name="kda_short_conv_dpre", compiler_params=params,
         )(y_NC, bits_N, w_WC.astype(dt), dout_NC)
         walk, name = _dy_kernel, "kda_short_conv_dy"
@@ -290,7 +291,7 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Array | None, head_dim: int,
                      eps: float = 1e-6, *, block: int = 8, channels: int = 64, steps: int = 32,
                      interpret: bool | None = None, num_warps: int = 4, row_slices: bool = True,
-                     dw_tiles: bool = True, split_backward: bool = False) -> jax.Array:
+                     dw_tiles: bool = True, split_backward: bool = True) -> jax.Array:
     """`k3.kda.layer.conv_branch_xla` through the Pallas kernels: [B, T, C] in y's dtype.
 
     y: [B, T, C] projections; w: [W, C] taps (w[W-1] multiplies the current token); segment_ids:
@@ -302,9 +303,9 @@ def conv_silu_pallas(y_BTC: jax.Array, w_WC: jax.Array, segment_ids_BT: jax.Arra
     row indices (False); interpret mode always gathers. ``dw_tiles``: the backward carries the taps'
     products as [block, tile] arrays through its loop and sums their rows once at the end (True), or
     sums them every step (False). ``split_backward``: the backward as two kernels, dpre written once
-    in y's dtype by the first and read at shifted rows by the second, instead of one kernel that
-    recomputes dpre at each of the W row offsets. ``interpret=None``: compiled on a GPU, interpreted
-    elsewhere.
+    in the compute dtype by the first and read at shifted rows by the second (True), or one kernel
+    that recomputes dpre at each of the W row offsets (False). ``interpret=None``: compiled on a GPU,
+    interpreted elsewhere.
     """
     B, T, C = y_BTC.shape
     W = w_WC.shape[0]

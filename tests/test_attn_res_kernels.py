@@ -22,20 +22,22 @@ def _inputs(seed, M, B, T, D, dtype, scale=3.0):
     return cands.astype(dtype), extra.astype(dtype), w
 
 
-@pytest.mark.parametrize("M,B,T,block,valid,extra_valid", [
-    (3, 2, 37, 16, (True, False, True), True),   # tokens not a multiple of the block, a hole in the bank
-    (1, 1, 1, 16, (True,), False),                # one token, the bank's embedding alone
-    (4, 3, 8, 8, (True, True, True, True), True),  # blocks that divide the tokens
+@pytest.mark.parametrize("M,B,T,block,valid,extra_valid,n_valid", [
+    (3, 2, 37, 16, (True, False, True), True, None),   # tokens not a multiple of the block, a hole in the bank
+    (1, 1, 1, 16, (True,), False, None),                # one token, the bank's embedding alone
+    (4, 3, 8, 8, (True, True, True, True), True, None),  # blocks that divide the tokens
+    (4, 2, 37, 2, (True, True, False, False), True, 2),  # the empty slots skipped by a static count
+    (3, 1, 70, 2, (True, False, False), True, 1),       # several backward steps a program
 ])
-def test_kernels_match_float64_reference(x64, M, B, T, block, valid, extra_valid):
+def test_kernels_match_float64_reference(x64, M, B, T, block, valid, extra_valid, n_valid):
     """Values and the gradients of candidates, extra and w, computed in float64 in the kernels
     (interpret mode) against autodiff of the plain formula."""
     cands, extra, w = _inputs(M * 10 + T, M, B, T, 16, jnp.float64)
     w = w.astype(jnp.float64)
     dout = jax.random.normal(jax.random.key(99), (B, T, 16), jnp.float64)
     valid, ev = jnp.array(valid), jnp.asarray(extra_valid)
-    got, got_vjp = jax.vjp(lambda c, e, w: depth_mix_pallas(c, valid, e, ev, w, 1e-5, block=block, interpret=True),
-                           cands, extra, w)
+    got, got_vjp = jax.vjp(lambda c, e, w: depth_mix_pallas(c, valid, e, ev, w, 1e-5, n_valid=n_valid, block=block,
+                                                            interpret=True), cands, extra, w)
     want, want_vjp = jax.vjp(lambda c, e, w: depth_mix_plain(c, valid, e, ev, w, 1e-5), cands, extra, w)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     for name, a, b in zip(("cands", "extra", "w"), got_vjp(dout), want_vjp(dout)):
@@ -71,6 +73,11 @@ def test_width_not_a_power_of_two_uses_the_reference_and_bad_shapes_fail():
         depth_mix_pallas(cands, valid, extra[:, :4], ev, w, 1e-5)
     with pytest.raises(ValueError, match="power of two"):
         depth_mix_pallas(cands, valid, extra, ev, w, 1e-5, block=12)
+    c16, e16, w16 = _inputs(7, 2, 1, 5, 16, jnp.float32)
+    with pytest.raises(ValueError, match="steps must be a power of two; got 3"):
+        depth_mix_pallas(c16, valid, e16, ev, w16, 1e-5, steps=3)
+    with pytest.raises(ValueError, match=r"n_valid must be in \[0, M = 2\]; got 3"):
+        depth_mix_pallas(c16, valid, e16, ev, w16, 1e-5, n_valid=3)
 
 
 def test_sharded_mix_equals_one_device():

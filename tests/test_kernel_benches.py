@@ -22,8 +22,10 @@ def test_short_conv_bench_rows_and_json(tmp_path):
 
 
 def test_attn_res_bench_rows_and_bad_shape(capsys):
-    rows = bench_attn_res.main(["--shape=2x1x16x16", "--variants=2:1", "--iters=1"])
-    assert [r["impl"] for r in rows] == ["jnp", "pallas"] and rows[1]["max_rel_diff_vs_jnp"] < 2e-2
-    assert "block:warps" in capsys.readouterr().out
+    rows = bench_attn_res.main(["--shape=3x1x16x16", "--variants=2:1,2:1:4:1", "--iters=1"])
+    assert [r["impl"] for r in rows] == ["jnp", "pallas", "pallas"]
+    assert all(r["max_rel_diff_vs_jnp"] < 2e-2 for r in rows)
+    assert (rows[1]["steps"], rows[1]["n_valid"], rows[2]["steps"], rows[2]["n_valid"]) == (1, 3, 4, 1)
+    assert "block:warps:steps:n" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="MxBxTxD"):
         bench_attn_res.main(["--shape=2x16x16"])

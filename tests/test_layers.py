@@ -251,6 +251,40 @@ def test_attn_res_extra_candidate_equals_concatenation(extra_valid):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 9])
+def test_bank_count_is_the_streams_count_at_every_mix(block_size):
+    """`bank_count`, the static count unrolled layers give their mixes, equals the traced count the
+    stream holds when each mix reads it, and at the output mix."""
+    L = 9
+    stream = attn_res.init_stream(jnp.ones((1, 2, 4)), "attn_res", attn_res.n_bank_slots(L, block_size))
+    for i in range(L):
+        assert int(stream["count"]) == attn_res.bank_count(i, block_size, "attention"), i
+        stream = attn_res.add_attention(stream, jnp.ones((1, 2, 4)), i, block_size)
+        assert int(stream["count"]) == attn_res.bank_count(i, block_size, "ffn"), i
+        stream = attn_res.add_ffn(stream, jnp.ones((1, 2, 4)))
+    assert int(stream["count"]) == attn_res.bank_count(L - 1, block_size, "ffn")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_static_bank_count_skips_empty_slots_exactly(x64, impl):
+    """A mix told that only the first n slots can be valid gives the same values and gradients as the
+    full mix over the same validity, and exactly zero gradient to the skipped slots."""
+    mix = attn_res.AttnResMix(16, 1e-5, rngs=nnx.Rngs(0), impl=impl)
+    mix.query[...] = _rand(1, (16,), 3.0)
+    bank, extra = _rand(2, (4, 2, 5, 16)).astype(jnp.float64), _rand(3, (2, 5, 16)).astype(jnp.float64)
+    valid = jnp.array([True, False, False, False])  # slot 1 is inside the count but invalid
+
+    def loss(bank, extra, n_valid):
+        return jnp.sum(jnp.sin(mix(bank, valid, extra, jnp.asarray(True), n_valid=n_valid)))
+
+    np.testing.assert_allclose(loss(bank, extra, 2), loss(bank, extra, None), rtol=1e-13)
+    got = jax.grad(loss, (0, 1))(bank, extra, 2)
+    want = jax.grad(loss, (0, 1))(bank, extra, None)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+    assert not np.any(np.asarray(got[0][2:]))
+
+
 @pytest.mark.parametrize("valid,extra_valid,scale", [
     ((True, False, True, True), True, 3.0),    # an invalid slot inside the bank
     ((True, True, False, False), False, 0.3),  # the extra candidate off
