@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from k3.backends import Table
-from k3.nn import compute_dtype, ones, param, zeros
+from k3.nn import RMSNorm, compute_dtype, ones, param, rms_norm, zeros
 from k3.sharding import Sharder
 from pallas_kernels.attn_res import depth_mix_pallas, kernel_width_ok
 
@@ -106,17 +106,44 @@ depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 # Who computes the depth mixes (``model.attn_res_impl``): 'xla' the jnp `depth_mix` above, 'pallas'
 # one Pallas kernel forward and one backward (`pallas_kernels.attn_res`; interpreted off a GPU).
+# Who computes the depth mixes (``model.attn_res_impl``), each entry called as (cands, valid, extra,
+# extra_valid, w, eps, n_valid, gamma, norm_eps) and returning rms_norm(mix) * gamma when a gain is
+# given: 'xla' the jnp `depth_mix` then `k3.nn.rms_norm`; 'pallas' one Pallas kernel forward and one
+# backward for the mix (`pallas_kernels.attn_res`; interpreted off a GPU), the norm by XLA;
+# 'pallas_norm' the norm inside the same two kernels (the mix is never written out; opt-in until
+# timed against 'pallas').
 MIX_BACKENDS = Table("model.attn_res_impl", default="xla", auto={"gpu": "pallas"})
-MIX_BACKENDS.register("xla")(depth_mix)
+
+
+@MIX_BACKENDS.register("xla")
+def depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None, gamma_D=None,
+                        norm_eps=None):
+    """`depth_mix`, then `k3.nn.rms_norm` of its output (in the candidates' dtype) when a gain is given."""
+    out = depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid)
+    return out if gamma_D is None else rms_norm(out, gamma_D, norm_eps)
 
 
 @MIX_BACKENDS.register("pallas")
-def depth_mix_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None):
+def depth_mix_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None, gamma_D=None,
+                      norm_eps=None):
     """`depth_mix` through the Pallas kernels where the width suits their tiles (a power of two >= 16,
-    `kernel_width_ok`); other widths (the ladder's d384, d448) run `depth_mix` itself."""
+    `kernel_width_ok`), then `k3.nn.rms_norm`; other widths (the ladder's d384, d448) run
+    `depth_mix_then_norm`."""
     if not kernel_width_ok(cands_MBTD.shape[-1]):
-        return depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid)
-    return depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid)
+        return depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid, gamma_D, norm_eps)
+    out = depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid)
+    return out if gamma_D is None else rms_norm(out, gamma_D, norm_eps)
+
+
+@MIX_BACKENDS.register("pallas_norm")
+def depth_mix_norm_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None, gamma_D=None,
+                           norm_eps=None):
+    """The mix and its RMSNorm in the same Pallas kernels (the norm on the fp32 mix, its backward
+    rebuilt from the candidates) where the width suits their tiles; `depth_mix_then_norm` elsewhere."""
+    if not kernel_width_ok(cands_MBTD.shape[-1]):
+        return depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid, gamma_D, norm_eps)
+    return depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid, gamma_D=gamma_D,
+                            norm_eps=norm_eps)
 
 
 class AttnResMix(nnx.Module):
@@ -135,8 +162,9 @@ class AttnResMix(nnx.Module):
         self.norm = param(rngs, ones, (d_model,), ("embed",))
 
     def __call__(self, cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array | None = None,
-                 extra_valid=None, n_valid: int | None = None) -> jax.Array:
-        """Mix of the valid candidates -> [B, T, D] (`depth_mix`).
+                 extra_valid=None, n_valid: int | None = None, norm: RMSNorm | None = None) -> jax.Array:
+        """Mix of the valid candidates -> [B, T, D] (`depth_mix`); ``norm(mix)`` when an RMSNorm is
+        given (the 'pallas_norm' backend computes it in the mix's own kernels).
 
         cands: [M, B, T, D]; valid: [M] bool; extra: an optional further candidate [B, T, D] with its
         validity (a bool scalar). Passing the running partial sum as ``extra`` instead of
@@ -149,15 +177,21 @@ class AttnResMix(nnx.Module):
             if extra_BTD is None:
                 extra_BTD, extra_valid = jnp.zeros_like(cands_MBTD[0]), False
             mix = MIX_BACKENDS.get(self.impl)
+            gamma = None if norm is None else norm.weight[...]
+            norm_eps = None if norm is None else norm.eps
             args = (cands_MBTD, jnp.asarray(valid_M), extra_BTD, jnp.asarray(extra_valid, bool), w)
             sh = self.sharder
-            if self.impl == "pallas" and sh is not None and sh.mesh.size > 1:
+            if self.impl.startswith("pallas") and sh is not None and sh.mesh.size > 1:
                 tok = sh.spec(("batch", "seq", None), extra_BTD.shape)
                 cand = PartitionSpec(None, *tok)
                 rep = PartitionSpec()
-                return jax.shard_map(lambda *a: mix(*a, self.eps, n_valid), mesh=sh.mesh,
-                                     in_specs=(cand, rep, tok, rep, rep), out_specs=tok, check_vma=False)(*args)
-            return mix(*args, self.eps, n_valid)
+                if gamma is None:
+                    return jax.shard_map(lambda *a: mix(*a, self.eps, n_valid), mesh=sh.mesh,
+                                         in_specs=(cand, rep, tok, rep, rep), out_specs=tok, check_vma=False)(*args)
+                return jax.shard_map(lambda *a: mix(*a[:5], self.eps, n_valid, a[5], norm_eps), mesh=sh.mesh,
+                                     in_specs=(cand, rep, tok, rep, rep, rep), out_specs=tok,
+                                     check_vma=False)(*args, gamma)
+            return mix(*args, self.eps, n_valid, gamma, norm_eps)
 
 
 def n_bank_slots(n_layers: int, block_size: int) -> int:
@@ -226,15 +260,15 @@ def bank_count(layer_idx: int, block_size: int, sublayer: str) -> int:
     return 1 + max(done, 0) // block_size
 
 
-def read(stream: dict, mix: AttnResMix | None, n_valid: int | None = None) -> jax.Array:
-    """The input of the next sublayer (before its pre-norm): [B, T, D]. ``n_valid``: the stream's
-    bank count when it is known statically (`bank_count`, unrolled layers), so the mix skips the
-    slots past it; None: the traced count alone decides."""
+def read(stream: dict, mix: AttnResMix | None, n_valid: int | None = None, norm: RMSNorm | None = None) -> jax.Array:
+    """The input of the next sublayer: [B, T, D], through its pre-norm ``norm`` when one is given.
+    ``n_valid``: the stream's bank count when it is known statically (`bank_count`, unrolled
+    layers), so the mix skips the slots past it; None: the traced count alone decides."""
     if "h" in stream:
-        return stream["h"]
+        return stream["h"] if norm is None else norm(stream["h"])
     bank = stream["bank"]
     return mix(bank, jnp.arange(bank.shape[0]) < stream["count"], stream["partial"], stream["has_partial"],
-               n_valid=n_valid)
+               n_valid=n_valid, norm=norm)
 
 
 def add_attention(stream: dict, out_BTD: jax.Array, layer_idx, block_size: int, may_start: bool = True) -> dict:

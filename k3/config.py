@@ -36,7 +36,9 @@ def default_config() -> ConfigDict:
     m.situ_beta_up = 25.0
     m.residual = "attn_res"  # 'attn_res' (Block Attention Residuals) or 'plain'
     m.attn_res_block_size = 4
-    m.attn_res_impl = "auto"  # k3.attn_res.MIX_BACKENDS: 'xla' (jnp) or 'pallas' (kernels); 'auto': pallas on a GPU
+    # k3.attn_res.MIX_BACKENDS: 'xla' (jnp), 'pallas' (kernels), 'pallas_norm' (the norm in them too);
+    # 'auto': pallas on a GPU
+    m.attn_res_impl = "auto"
     m.norm_eps = 1e-5
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32

@@ -82,7 +82,7 @@ def extend(model, tokens_BT: jax.Array, cache: dict, n_valid_B: jax.Array | None
     stream, new, kept = walk_layers(model, stream, step, caches, write)
     new = jax.tree.map(lambda c, k: c if k is None else {**c, "inputs": k}, new, kept,
                        is_leaf=lambda x: x is None or (isinstance(x, dict) and ("c_kv" in x or "state" in x)))
-    h = model.final_norm(attn_res.read(stream, model.out_mix, model.out_bank_count()))
+    h = attn_res.read(stream, model.out_mix, model.out_bank_count(), model.final_norm)
     logits = jnp.einsum("btd,dv->btv", h, cast(model.lm_head, model.dtype)).astype(jnp.float32)
     return logits, {"layers": new, "length": start + n_valid}
 

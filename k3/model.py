@@ -147,19 +147,19 @@ class DecoderLayer(nnx.Module):
         """Returns the updated stream and this layer's statistics: MoE routing ('load', 'balance')
         and, when tracked, the MLA per-head max logit ('max_logit'); {} when there are none."""
         stream = _constrain_stream(stream, self.sharder)
-        x = attn_res.read(stream, self.attn_mix, self._bank_count(layer_idx, "attention"))
+        x = attn_res.read(stream, self.attn_mix, self._bank_count(layer_idx, "attention"), self.attn_norm)
         stats = {}
         if self.track_max_logit:
-            a, stats["max_logit"] = self.mixer(self.attn_norm(x), segment_ids_BT, return_max_logit=True)
+            a, stats["max_logit"] = self.mixer(x, segment_ids_BT, return_max_logit=True)
         else:
-            a = self.mixer(self.attn_norm(x), segment_ids_BT)
+            a = self.mixer(x, segment_ids_BT)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size, self.may_start)
-        x = attn_res.read(stream, self.ffn_mix, self._bank_count(layer_idx, "ffn"))
+        x = attn_res.read(stream, self.ffn_mix, self._bank_count(layer_idx, "ffn"), self.ffn_norm)
         if self.ffn_kind == "moe":
-            f, layer_stats = self.ffn(self.ffn_norm(x))
+            f, layer_stats = self.ffn(x)
             stats.update(layer_stats)
         else:
-            f = self.ffn(self.ffn_norm(x))
+            f = self.ffn(x)
         return _constrain_stream(attn_res.add_ffn(stream, f), self.sharder), stats
 
     def _bank_count(self, layer_idx, sublayer: str) -> int | None:
@@ -170,14 +170,14 @@ class DecoderLayer(nnx.Module):
     def extend(self, stream: dict, cache: dict, layer_idx, start_B, n_valid_B, keep_inputs: bool = False):
         """Decode path of `__call__`: the mixer continues from its ``cache``; returns (stream, update):
         a KDA layer's whole new cache, or an MLA layer's new rows (see `MLA.extend`)."""
-        x = attn_res.read(stream, self.attn_mix, self._bank_count(layer_idx, "attention"))
-        a, cache = self.mixer.extend(self.attn_norm(x), cache, start_B, n_valid_B, keep_inputs)
+        x = attn_res.read(stream, self.attn_mix, self._bank_count(layer_idx, "attention"), self.attn_norm)
+        a, cache = self.mixer.extend(x, cache, start_B, n_valid_B, keep_inputs)
         stream = attn_res.add_attention(stream, a, layer_idx, self.block_size, self.may_start)
-        x = attn_res.read(stream, self.ffn_mix, self._bank_count(layer_idx, "ffn"))
+        x = attn_res.read(stream, self.ffn_mix, self._bank_count(layer_idx, "ffn"), self.ffn_norm)
         if self.ffn_kind == "moe":
-            f = self.ffn(self.ffn_norm(x), decode=True)[0]
+            f = self.ffn(x, decode=True)[0]
         else:
-            f = self.ffn(self.ffn_norm(x))
+            f = self.ffn(x)
         return attn_res.add_ffn(stream, f), cache
 
 
@@ -307,8 +307,7 @@ class Model(nnx.Module):
         # Unrolled layers are rematerialised one by one, as each scanned group is (K3's dense first
         # layer and extra last MLA layer would otherwise keep every activation for the backward pass).
         stream, _, stats = walk_layers(self, stream, step, remat=self.remat, policy=self.remat_policy)
-        h = attn_res.read(stream, self.out_mix, self.out_bank_count())
-        return self.final_norm(h), stats
+        return attn_res.read(stream, self.out_mix, self.out_bank_count(), self.final_norm), stats
 
     def out_bank_count(self) -> int:
         """The bank's count when the output mix reads it (`k3.attn_res.bank_count`)."""

@@ -50,7 +50,8 @@ def _candidate(cands_ref, extra_ref, m, n, dt, rows=slice(None)):
     return (cands_ref[m, rows, :] if m < n else extra_ref[rows, :]).astype(dt)
 
 
-def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, r_ref, *, n, D, eps):
+def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, gamma_ref, out_ref, p_ref, lg_ref, r_ref, ro_ref, *, n, D,
+                eps, norm_eps):
     dt = p_ref.dtype
     w = w_ref[...].astype(dt)  # [1, D]
     logits, rs, masked = [], [], []
@@ -75,22 +76,35 @@ def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, out_ref, p_ref, lg_ref, 
         p_ref[m, :] = p
         lg_ref[m, :] = logits[m]
         r_ref[m, :] = rs[m]
+    if norm_eps is not None:  # the RMSNorm that reads the mix, on the fp32 mix
+        ro = lax.rsqrt(jnp.sum(out * out, axis=1) / D + norm_eps)
+        ro_ref[0, :] = ro
+        out = out * ro[:, None] * gamma_ref[...].astype(dt)
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, p_ref, lg_ref, r_ref, dc_ref, de_ref, dw_ref, *, n, D,
-                block, steps):
+def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, gamma_ref, p_ref, lg_ref, r_ref, ro_ref, dc_ref, de_ref,
+                dw_ref, dg_ref, *, n, D, block, steps, norm):
     """``steps`` sub-blocks of ``block`` tokens in a loop (not unrolled: unrolled, the compiler kept
     several sub-blocks live and spilled), so that a program's partial dw row covers block * steps
-    tokens (the partial rows are summed by XLA: [N / block] rows of D fp32 were as many bytes as a
-    bf16 candidate)."""
+    tokens. With the norm, dout is the normed output's cotangent: the mix is rebuilt from the
+    candidates and p, and the norm's backward gives the mix's cotangent (and a partial row of the
+    gain's gradient)."""
     dt = p_ref.dtype
     w = w_ref[...].astype(dt)
 
-    def sub_block(s, dw):
+    def sub_block(s, acc):
+        dw, dg = acc
         rows = pl.ds(pl.multiple_of(s * block, block), block)
         d = dout_ref[rows, :].astype(dt)
         p = [p_ref[m, rows] for m in range(n + 1)]
+        if norm:
+            mix = functools.reduce(jnp.add, [p[m][:, None] * _candidate(cands_ref, extra_ref, m, n, dt, rows)
+                                             for m in range(n + 1)])
+            ro = ro_ref[0, rows][:, None]
+            xh, u = mix * ro, d * gamma_ref[...].astype(dt)
+            dg = dg + jnp.sum(d * xh, axis=0, keepdims=True)
+            d = ro * (u - xh * (jnp.sum(u * xh, axis=1, keepdims=True) / D))
         g = [jnp.sum(d * _candidate(cands_ref, extra_ref, m, n, dt, rows), axis=1) for m in range(n + 1)]
         gbar = functools.reduce(jnp.add, [pm * gm for pm, gm in zip(p, g)])
         for m in range(n + 1):
@@ -103,9 +117,11 @@ def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, p_ref, lg_ref, r_ref, dc_
             else:
                 de_ref[rows, :] = dv.astype(de_ref.dtype)
             dw = dw + jnp.sum((dl * r)[:, None] * v, axis=0, keepdims=True)
-        return dw
+        return dw, dg
 
-    dw_ref[...] = lax.fori_loop(0, steps, sub_block, jnp.zeros_like(w))
+    dw, dg = lax.fori_loop(0, steps, sub_block, (jnp.zeros_like(w), jnp.zeros_like(w)))
+    dw_ref[...] = dw
+    dg_ref[...] = dg
 
 
 def _specs(M, n, BN, D):
@@ -116,74 +132,85 @@ def _specs(M, n, BN, D):
             lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape)))
 
 
-def _forward(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, interpret, num_warps):
+def _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, interpret, num_warps):
     M, N, D = cands_MND.shape
     dt = compute_dtype(cands_MND)
     cand, _, tok, stat, whole = _specs(M, n, block, D)
     valid = jnp.broadcast_to(valid_n1.astype(dt)[:, None], (n + 1, 16))
-    w = w_D.astype(dt)[None, :]
     stat_shape = jax.ShapeDtypeStruct((n + 1, N), dt)
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, n=n, D=D, eps=eps), grid=(N // block,),
-        in_specs=[cand, tok, whole((n + 1, 16)), whole((1, D))],
-        out_specs=[tok, stat, stat, stat],
-        out_shape=[jax.ShapeDtypeStruct((N, D), cands_MND.dtype), stat_shape, stat_shape, stat_shape],
-        interpret=interpret, name="attn_res_mix_fwd",
+        functools.partial(_fwd_kernel, n=n, D=D, eps=eps, norm_eps=norm_eps), grid=(N // block,),
+        in_specs=[cand, tok, whole((n + 1, 16)), whole((1, D)), whole((1, D))],
+        out_specs=[tok, stat, stat, stat, pl.BlockSpec((1, block), lambda i: (0, i))],
+        out_shape=[jax.ShapeDtypeStruct((N, D), cands_MND.dtype), stat_shape, stat_shape, stat_shape,
+                   jax.ShapeDtypeStruct((1, N), dt)],
+        interpret=interpret, name="attn_res_mix_norm_fwd" if norm_eps is not None else "attn_res_mix_fwd",
         compiler_params=triton_params(interpret, num_warps, 1),
-    )(cands_MND, extra_ND, valid, w)
+    )(cands_MND, extra_ND, valid, w_D.astype(dt)[None, :], gamma_D.astype(dt)[None, :])
 
 
-def _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, n, block, steps, interpret, num_warps):
+def _backward(cands_MND, extra_ND, dout_ND, w_D, gamma_D, p, lg, r, ro, n, block, steps, norm, interpret,
+              num_warps):
     M, N, D = cands_MND.shape
     cand, written, tok, stat, whole = _specs(M, n, block * steps, D)
     nb = N // (block * steps)
-    dc, de, dw = pl.pallas_call(
-        functools.partial(_bwd_kernel, n=n, D=D, block=block, steps=steps), grid=(nb,),
-        in_specs=[cand, tok, tok, whole((1, D)), stat, stat, stat],
-        out_specs=[written, tok, pl.BlockSpec((1, D), lambda i: (i, 0))],
+    partial = jax.ShapeDtypeStruct((nb, D), p.dtype)
+    row = pl.BlockSpec((1, D), lambda i: (i, 0))
+    dc, de, dw, dg = pl.pallas_call(
+        functools.partial(_bwd_kernel, n=n, D=D, block=block, steps=steps, norm=norm), grid=(nb,),
+        in_specs=[cand, tok, tok, whole((1, D)), whole((1, D)), stat, stat, stat,
+                  pl.BlockSpec((1, block * steps), lambda i: (0, i))],
+        out_specs=[written, tok, row, row],
         out_shape=[jax.ShapeDtypeStruct((n, N, D), cands_MND.dtype),
-                   jax.ShapeDtypeStruct(extra_ND.shape, extra_ND.dtype),
-                   jax.ShapeDtypeStruct((nb, D), p.dtype)],
-        interpret=interpret, name="attn_res_mix_bwd",
+                   jax.ShapeDtypeStruct(extra_ND.shape, extra_ND.dtype), partial, partial],
+        interpret=interpret, name="attn_res_mix_norm_bwd" if norm else "attn_res_mix_bwd",
         compiler_params=triton_params(interpret, num_warps, 1),
-    )(cands_MND, extra_ND, dout_ND, w_D.astype(p.dtype)[None, :], p, lg, r)
+    )(cands_MND, extra_ND, dout_ND, w_D.astype(p.dtype)[None, :], gamma_D.astype(p.dtype)[None, :], p, lg, r, ro)
     if n < M:  # the slots past n are invalid: no gradient
         dc = jnp.pad(dc, ((0, M - n), (0, 0), (0, 0)))
-    return dc, de, jnp.sum(dw, axis=0)
+    return dc, de, jnp.sum(dw, axis=0), jnp.sum(dg, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _mix(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, steps, interpret, num_warps):
-    return _forward(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, interpret, num_warps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _mix(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, steps, interpret, warps):
+    """warps: (forward, backward) warps per program."""
+    return _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, interpret, warps[0])[0]
 
 
-def _mix_fwd(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, steps, interpret, num_warps):
-    out, p, lg, r = _forward(cands_MND, extra_ND, valid_n1, w_D, eps, n, block, interpret, num_warps)
-    return out, (cands_MND, extra_ND, w_D, p, lg, r)
+def _mix_fwd(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, steps, interpret, warps):
+    out, p, lg, r, ro = _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, interpret,
+                                 warps[0])
+    return out, (cands_MND, extra_ND, w_D, gamma_D, p, lg, r, ro)
 
 
-def _mix_bwd(eps, n, block, steps, interpret, num_warps, res, dout_ND):
+def _mix_bwd(eps, norm_eps, n, block, steps, interpret, warps, res, dout_ND):
     del eps
-    cands_MND, extra_ND, w_D, p, lg, r = res
-    dc, de, dw = _backward(cands_MND, extra_ND, dout_ND, w_D, p, lg, r, n, block, steps, interpret, num_warps)
-    return dc, de, None, dw.astype(w_D.dtype)
+    cands_MND, extra_ND, w_D, gamma_D, p, lg, r, ro = res
+    dc, de, dw, dg = _backward(cands_MND, extra_ND, dout_ND, w_D, gamma_D, p, lg, r, ro, n, block, steps,
+                               norm_eps is not None, interpret, warps[1])
+    return dc, de, None, dw.astype(w_D.dtype), dg.astype(gamma_D.dtype)
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
-                     w_D: jax.Array, eps: float, *, n_valid: int | None = None, block: int = 2, steps: int = 1,
-                     interpret: bool | None = None, num_warps: int = 1) -> jax.Array:
+                     w_D: jax.Array, eps: float, *, n_valid: int | None = None, gamma_D: jax.Array | None = None,
+                     norm_eps: float | None = None, block: int = 2, steps: int = 1, interpret: bool | None = None,
+                     num_warps: int = 1, bwd_warps: int | None = None) -> jax.Array:
     """`k3.attn_res.depth_mix` through the Pallas kernels: [B, T, D] in the candidates' dtype.
 
     cands: [M, B, T, D]; valid: [M] bool; extra: [B, T, D] with its validity (bool scalar); w: [D]
     fp32 (pseudo-query times norm gain). Differentiable in cands, extra and w. ``n_valid``: a static
     count that says the candidates past the first n_valid are invalid (the bank's unfilled slots): the
-    kernels neither read them nor write their (zero) gradients; None reads all M. ``block`` tokens per
+    kernels neither read them nor write their (zero) gradients; None reads all M. ``gamma_D`` and
+    ``norm_eps``: the RMSNorm that reads the mix, applied in the kernels (the result is
+    rms_norm(mix) * gamma, from the fp32 mix; differentiable in gamma too). ``block`` tokens per
     program (a power of two) and ``num_warps``: 2 and 1 ran fastest of 13 settings on the H200 at
     K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`); the backward's program
-    walks ``steps`` such blocks. ``interpret=None``: compiled on a GPU, interpreted elsewhere. D must
+    walks ``steps`` such blocks with ``bwd_warps`` (None: ``num_warps``, or 2 with the norm, whose
+    backward also holds the rebuilt mix: compiled for sm_90 at D = 1024 it spills 0.9-2.8 KB a thread
+    at 1 warp and 0-284 B at 2). ``interpret=None``: compiled on a GPU, interpreted elsewhere. D must
     be a power of two >= 16.
     """
     M, B, T, D = cands_MBTD.shape
@@ -207,6 +234,13 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
     if Np != N:  # zero tokens: finite statistics, zero gradients, sliced away
         cands = jnp.pad(cands, ((0, 0), (0, Np - N), (0, 0)))
         extra = jnp.pad(extra, ((0, Np - N), (0, 0)))
+    if (gamma_D is None) != (norm_eps is None) or (gamma_D is not None and jnp.shape(gamma_D) != (D,)):
+        raise ValueError(f"depth_mix_pallas: the norm needs both gamma [D] = {(D,)} and norm_eps; got "
+                         f"{None if gamma_D is None else jnp.shape(gamma_D)} and {norm_eps}")
+    gamma = jnp.zeros((D,), jnp.float32) if gamma_D is None else gamma_D
     valid = jnp.concatenate([jnp.asarray(valid_M, bool)[:n], jnp.asarray(extra_valid, bool)[None]])
-    out = _mix(cands, extra, valid, w_D, float(eps), n, block, steps, interpret, num_warps)
+    if bwd_warps is None:
+        bwd_warps = num_warps if norm_eps is None else max(num_warps, 2)
+    out = _mix(cands, extra, valid, w_D, gamma, float(eps), None if norm_eps is None else float(norm_eps), n, block,
+               steps, interpret, (num_warps, bwd_warps))
     return out[:N].reshape(B, T, D)

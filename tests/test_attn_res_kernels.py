@@ -1,6 +1,8 @@
 """The Block AttnRes depth-mix kernels (`pallas_kernels.attn_res`, interpreted on a CPU) against the
 jnp `k3.attn_res.depth_mix` and a float64 autodiff reference; sharded over a CPU mesh."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,59 @@ def test_kernels_match_float64_reference(x64, M, B, T, block, valid, extra_valid
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
 
 
+@pytest.mark.parametrize("M,B,T,n_valid,extra_valid,steps", [
+    (3, 2, 37, 2, True, 1),    # awkward token count, an empty slot skipped
+    (1, 1, 1, None, False, 1),  # one token, the embedding alone
+    (4, 1, 70, 3, True, 4),    # several backward steps a program
+])
+def test_mix_with_its_norm_matches_float64_reference(x64, M, B, T, n_valid, extra_valid, steps):
+    """The RMSNorm computed inside the kernels: rms_norm(mix) * gamma and the gradients of candidates,
+    extra, w and gamma against autodiff of the plain formulas, in float64."""
+    cands, extra, w = _inputs(M * 7 + T, M, B, T, 16, jnp.float64)
+    w = w.astype(jnp.float64)
+    gamma = 1.0 + 0.3 * jax.random.normal(jax.random.key(3), (16,), jnp.float64)
+    dout = jax.random.normal(jax.random.key(98), (B, T, 16), jnp.float64)
+    valid, ev = jnp.arange(M) < (M if n_valid is None else n_valid), jnp.asarray(extra_valid)
+
+    def plain(c, e, w, g):
+        x = depth_mix_plain(c, valid, e, ev, w, 1e-5)
+        return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
+
+    got, got_vjp = jax.vjp(lambda c, e, w, g: depth_mix_pallas(c, valid, e, ev, w, 1e-5, n_valid=n_valid, gamma_D=g,
+                                                               norm_eps=1e-6, steps=steps, interpret=True),
+                           cands, extra, w, gamma)
+    want, want_vjp = jax.vjp(plain, cands, extra, w, gamma)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("cands", "extra", "w", "gamma"), got_vjp(dout), want_vjp(dout)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
+
+
+def test_mix_with_its_norm_bf16_matches_the_unfused_backend():
+    """bf16 as in training: the fused kernels against `depth_mix` followed by `rms_norm` (which rounds
+    the mix to bf16 between them), through `AttnResMix` with a norm (its gain and eps)."""
+    cands, extra, w = _inputs(8, 3, 2, 24, 32, jnp.bfloat16)
+    gamma = 1.0 + 0.2 * jax.random.normal(jax.random.key(4), (32,))
+    valid, ev = jnp.array([True, True, False]), jnp.asarray(True)
+    outs = {}
+    for impl in ("xla", "pallas_norm"):
+        mix = attn_res.AttnResMix(32, 1e-5, rngs=nnx.Rngs(1), impl=impl)
+        mix.query[...] = 0.5 * w
+
+        def f(c, e, g, mix=mix):
+            return mix(c, valid, e, ev, n_valid=2, norm=types.SimpleNamespace(weight=g, eps=1e-6))
+
+        out, vjp = jax.vjp(f, cands, extra, gamma)
+        outs[impl] = (out, vjp(jnp.ones_like(out)))
+    (a, ga), (b, gb) = outs["pallas_norm"], outs["xla"]
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    for name, x, y in zip(("cands", "extra", "gamma"), ga, gb):
+        assert x.dtype == y.dtype, name
+        scale = float(jnp.max(jnp.abs(y.astype(jnp.float32))))
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=3e-2,
+                                   atol=2e-2 * scale, err_msg=name)
+
+
 def test_kernels_bf16_match_jnp_backend():
     """bf16 candidates as in training: the kernels and `depth_mix` agree to bf16 rounding, and the
     gradients keep the candidates' dtype."""
@@ -78,15 +133,19 @@ def test_width_not_a_power_of_two_uses_the_reference_and_bad_shapes_fail():
         depth_mix_pallas(c16, valid, e16, ev, w16, 1e-5, steps=3)
     with pytest.raises(ValueError, match=r"n_valid must be in \[0, M = 2\]; got 3"):
         depth_mix_pallas(c16, valid, e16, ev, w16, 1e-5, n_valid=3)
+    with pytest.raises(ValueError, match="the norm needs both gamma"):
+        depth_mix_pallas(c16, valid, e16, ev, w16, 1e-5, gamma_D=w16)
 
 
-def test_sharded_mix_equals_one_device():
+@pytest.mark.parametrize("impl,with_norm", [("pallas", False), ("pallas", True), ("pallas_norm", True)])
+def test_sharded_mix_equals_one_device(impl, with_norm):
     """The kernels under shard_map on a CPU mesh (batch over data x fsdp, sequence over context):
-    the mix and every gradient, the pseudo-query's summed over the devices, as on one device."""
+    the mix (and the RMSNorm after it) and every gradient, the pseudo-query's and the norm gain's
+    summed over the devices, as on one device."""
     devices = np.array(jax.devices()[:8]).reshape(2, 2, 2)
     sharder = Sharder(Mesh(devices, ("data", "fsdp", "context")))
     one = attn_res.AttnResMix(16, 1e-5, rngs=nnx.Rngs(0), impl="xla")
-    mesh_mix = attn_res.AttnResMix(16, 1e-5, rngs=nnx.Rngs(0), impl="pallas", sharder=sharder)
+    mesh_mix = attn_res.AttnResMix(16, 1e-5, rngs=nnx.Rngs(0), impl=impl, sharder=sharder)
     q = jax.random.normal(jax.random.key(1), (16,))
     one.query[...] = q
     mesh_mix.query[...] = q
@@ -96,12 +155,14 @@ def test_sharded_mix_equals_one_device():
     def loss_and_grads(mix):
         graphdef, params = nnx.split(mix)
 
-        def loss(params, c, e):
-            return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(c, valid, e, jnp.asarray(True))))
+        def loss(params, c, e, g):
+            norm = types.SimpleNamespace(weight=g, eps=1e-6) if with_norm else None
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(c, valid, e, jnp.asarray(True), norm=norm)))
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, cands, extra)
+        gain = 1.0 + 0.1 * jnp.arange(16.0)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(params, cands, extra, gain)
 
     (l1, g1), (l2, g2) = loss_and_grads(one), loss_and_grads(mesh_mix)
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):  # query, norm gain, cands, extra
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):  # query, key-norm gain, cands, extra, gain
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
