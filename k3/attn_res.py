@@ -104,8 +104,6 @@ def _depth_mix_bwd(eps, n_valid, res, dout_BTD):
 
 depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
-# Who computes the depth mixes (``model.attn_res_impl``): 'xla' the jnp `depth_mix` above, 'pallas'
-# one Pallas kernel forward and one backward (`pallas_kernels.attn_res`; interpreted off a GPU).
 # Who computes the depth mixes (``model.attn_res_impl``), each entry called as (cands, valid, extra,
 # extra_valid, w, eps, n_valid, gamma, norm_eps) and returning rms_norm(mix) * gamma when a gain is
 # given: 'xla' the jnp `depth_mix` then `k3.nn.rms_norm`; 'pallas' one Pallas kernel forward and one
