@@ -37,14 +37,14 @@ def default_config() -> ConfigDict:
     m.residual = "attn_res"  # 'attn_res' (Block Attention Residuals) or 'plain'
     m.attn_res_block_size = 4
     # k3.attn_res.MIX_BACKENDS: 'xla' (jnp), 'pallas' (kernels), 'pallas_norm' (the norm in them too);
-    # 'auto': pallas on a GPU
+    # 'auto': pallas_norm on a GPU
     m.attn_res_impl = "auto"
     m.norm_eps = 1e-5
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype of activations and matmuls; parameters and optimizer state stay float32
     m.remat = False  # rematerialise each scanned layer group in the backward pass
     # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels',
-    # 'dots_kernels_glu', 'dots_kernels_glu_inputs', 'matmuls_kernels'
+    # 'dots_kernels_glu', 'dots_kernels_glu_inputs', 'dots_kernels_glu_experts', 'matmuls_kernels'
     m.remat_policy = "full"
     m.layer_loop = "auto"  # k3.model.LAYER_LOOPS: 'scan' (repeated layer groups as one lax.scan: compile time
     # flat in depth) or 'unroll' (faster steps, less memory on one H200: BENCHMARKS.md); 'auto': unroll on a GPU.

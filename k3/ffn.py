@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from k3.nn import cast, compute_dtype, normal, param
+from k3.nn import cast, compute_dtype, normal, param, recomputed
 
 
 def _glu_parts(g, u, kind, beta_gate, beta_up):
@@ -46,6 +46,11 @@ def glu_parts_output(gate, up, *, kind: str, beta_gate: float, beta_up: float):
 # it (`k3.model.REMAT_POLICIES`'s 'dots_kernels_glu') rather than recompute it for the down
 # projection's weight gradient.
 GLU_OUTPUT = "glu_output"
+# The routed experts' gate and up products ([E, C, F] or [R, F]) and their combined outputs [N, k, W],
+# named for `k3.model.REMAT_POLICIES`'s 'dots_kernels_glu_experts': the batched expert GEMMs have a
+# batch dimension, so the 'dots' policies recompute them for the GLU's backward and the combine
+# weights' gradient.
+EXPERT_PRODUCTS = "expert_products"
 
 
 def glu_activation(gate: jax.Array, up: jax.Array, kind: str, beta_gate: float = 4.0,
@@ -73,7 +78,7 @@ def _glu_fwd(gate, up, kind, beta_gate, beta_up):
 
 
 def _glu_bwd(kind, beta_gate, beta_up, res, dout):
-    gate, up = res
+    gate, up = recomputed(res)
     dt = compute_dtype(gate, up)
     _, d_gate, d_up = _glu_parts(gate.astype(dt), up.astype(dt), kind, beta_gate, beta_up)
     d = dout.astype(dt)

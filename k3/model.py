@@ -17,7 +17,7 @@ from flax import nnx
 from k3 import attn_res
 from k3.backends import Table
 from k3.config import layer_kinds
-from k3.ffn import GLU_OUTPUT, GLUMLP
+from k3.ffn import EXPERT_PRODUCTS, GLU_OUTPUT, GLUMLP
 from k3.kda.layer import KDA
 from k3.mla.layer import MLA, qk_clip
 from k3.moe.layer import MoE, new_bias
@@ -55,7 +55,9 @@ _KERNEL_RESIDUALS = (KDA_RESIDUALS, ATTENTION_RESIDUALS, WEIGHT_CAST)
 SAVES_KDA_INPUTS = frozenset({"dots_kernels_glu_inputs"})
 # Policies whose saved residuals include the weight casts (the planner counts their bytes).
 SAVES_WEIGHT_CASTS = frozenset({"dots_kernels", "dots_kernels_glu", "dots_kernels_glu_inputs",
-                                "matmuls_kernels"})
+                                "dots_kernels_glu_experts", "matmuls_kernels"})
+# Policies that keep the routed experts' gate/up products and combined outputs (the planner counts them).
+SAVES_EXPERT_PRODUCTS = frozenset({"dots_kernels_glu_experts"})
 
 
 @REMAT_POLICIES.register("dots_kernels")
@@ -91,6 +93,18 @@ def _keep_projections_kernel_residuals_glu_and_kda_inputs():
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*_KERNEL_RESIDUALS, GLU_OUTPUT, KDA_INPUTS))
+
+
+@REMAT_POLICIES.register("dots_kernels_glu_experts")
+def _keep_projections_kernel_residuals_glu_and_expert_products():
+    """'dots_kernels_glu', plus the routed experts' gate and up products and their combined outputs
+    (`k3.ffn.EXPERT_PRODUCTS`), which the other '*_kernels' policies recompute (three batched expert
+    GEMMs per MoE layer: the GLU's backward needs gate and up, the combine weights' gradient the
+    outputs). Costs R (2 F + W) bytes of the compute dtype per MoE layer, R the expert rows
+    (`k3.moe.cost.expert_product_bytes`)."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*_KERNEL_RESIDUALS, GLU_OUTPUT, EXPERT_PRODUCTS))
 
 
 @REMAT_POLICIES.register("matmuls_kernels")

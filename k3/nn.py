@@ -56,6 +56,16 @@ def norm_bytes(a: int) -> float:
     return float(a)
 
 
+def recomputed(residuals):
+    """``residuals`` (any pytree) behind `jax.lax.optimization_barrier`, for a custom VJP's backward
+    that recomputes forward values from them. Without the barrier XLA merges the recomputation with
+    the forward's identical expressions (common subexpressions, when no remat separates the two) and
+    the forward then writes those intermediates to memory in fp32 for the backward to read, the
+    traffic the recomputation was meant to avoid: for SiTU-GLU's experts in K3 1024:12, two fp32
+    copies of every [E, C, F] hidden (BENCHMARKS.md)."""
+    return jax.lax.optimization_barrier(residuals)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) * weight over the last axis: x [..., D], weight [D] -> [..., D] in
@@ -78,7 +88,7 @@ def _rms_norm_fwd(x, weight, eps):
 
 def _rms_norm_bwd(eps, res, dy):
     del eps
-    x, weight, r = res
+    x, weight, r = recomputed(res)
     xh = x.astype(r.dtype) * r
     dy = dy.astype(r.dtype)
     u = dy * weight.astype(r.dtype)

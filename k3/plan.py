@@ -72,9 +72,10 @@ from k3.hardware import PEAK_BF16_FLOPS
 from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_input_bytes, kda_residual_bytes
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
-from k3.model import LAYER_LOOPS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, cross_entropy, plan_layers
-from k3.moe.cost import (moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows, moe_residual_bytes,
-                         moe_tensor_bytes, router_bias_bytes)
+from k3.model import (LAYER_LOOPS, SAVES_EXPERT_PRODUCTS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, cross_entropy,
+                      plan_layers)
+from k3.moe.cost import (expert_product_bytes, moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows,
+                         moe_residual_bytes, moe_tensor_bytes, router_bias_bytes)
 from k3.kda.layer import CONV_BACKENDS
 from k3.kda.ops import KDA_CORES
 from k3.moe.layer import EXPERT_BACKENDS
@@ -422,8 +423,9 @@ class Layout:
     destination device (0 without expert parallelism; `k3.moe.cost.moe_dispatch_rows`); ``dispatch``:
     'padded' (fixed [P, C] buffers travel) or 'ragged' (only the routed rows travel; the receive
     buffer still has P C rows; `k3.moe.cost.moe_dispatch`).
-    ``attention``/``kda_core``: the `k3.mla.ATTENTION` / `k3.kda.ops.KDA_CORES` entries the config
-    runs on the planned device's platform ('auto' resolved there).
+    ``attention``/``kda_core``/``experts``: the `k3.mla.ATTENTION` / `k3.kda.ops.KDA_CORES` /
+    `k3.moe.layer.EXPERT_BACKENDS` entries the config runs on the planned device's platform ('auto'
+    resolved there).
     """
 
     batch_axes: tuple[str, ...]
@@ -444,6 +446,7 @@ class Layout:
     dispatch: str = "padded"
     attention: str = "xla"
     kda_core: str = "chunk"
+    experts: str = "ragged"
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -475,6 +478,7 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
     try:
         attention = ATTENTION.resolve(m.mla.attention_impl, platform)
         kda_core = KDA_CORES.resolve(m.kda.impl, platform)
+        experts = EXPERT_BACKENDS.resolve(m.moe.expert_impl, platform)
     except BackendError as e:
         raise PlanError(str(e)) from e
     accum = cfg.optim.grad_accum
@@ -509,7 +513,8 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
         shared_div=_axes_shards(sharder, ("mlp",), (max(m.moe.shared_dim, 1),), 0)[1],
         expert_mlp_div=_shards(sharder, f_axes),
         vocab_div=_axes_shards(sharder, ("act_vocab",), (m.vocab_size,), 0)[1],
-        expert_axes=expert_axes, P=P, C=C, dispatch=dispatch, attention=attention, kda_core=kda_core)
+        expert_axes=expert_axes, P=P, C=C, dispatch=dispatch, attention=attention, kda_core=kda_core,
+        experts=experts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,8 +584,9 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
                    gathered (compute-dtype) weights; with remat, ``cast_bytes``: the compute-dtype
                    copies of the local parameters that a '*_kernels' policy keeps
       kept inputs  remat under a policy in `k3.model.SAVES_KDA_INPUTS` with the Pallas KDA core: every
-                   KDA layer's kernel inputs (`k3.kda.cost.kda_input_bytes`), which the working set
-                   then leaves out
+                   KDA layer's kernel inputs (`k3.kda.cost.kda_input_bytes`); under a policy in
+                   `k3.model.SAVES_EXPERT_PRODUCTS`: every MoE layer's expert products
+                   (`k3.moe.cost.expert_product_bytes`); the working set then leaves them out
       working set  remat: the residuals of one body group or one unrolled layer during its backward
                    (recomputed), whichever is larger, plus the stream cotangents (2 carries) and one
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
@@ -606,7 +612,10 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
         kept = []
         # Kept KDA inputs are held for the whole step, so a recomputed layer's working set leaves them out.
         keeps_inputs = m.remat_policy in SAVES_KDA_INPUTS and lay.kda_core == "pallas"
-        inputs = [kda_input_bytes(m, lay, a) if keeps_inputs and mixer == "kda" else 0.0 for mixer, _ in kinds]
+        keeps_products = m.remat_policy in SAVES_EXPERT_PRODUCTS
+        inputs = [(kda_input_bytes(m, lay, a) if keeps_inputs and mixer == "kda" else 0.0)
+                  + (expert_product_bytes(m, lay, a) if keeps_products and ffn == "moe" else 0.0)
+                  for mixer, ffn in kinds]
         held = [r["total"] - x for r, x in zip(res, inputs)]
         group = sum(held[i] for i in body_idx[:period]) if repeats else 0.0
         largest = max([group] + [held[i] for i in unrolled])
@@ -988,7 +997,7 @@ def format_plan(p: dict) -> str:
         row("  saved layer inputs (scan carries, unrolled)", at["carries"]),
         row("  unrematerialised layers' residuals", at["kept_layers"]),
         row("  kept compute-dtype weights", at["kept_weights"]),
-        row("  kept KDA kernel inputs", at["kept_inputs"]),
+        row("  kept KDA inputs, expert products", at["kept_inputs"]),
         row("  one layer group's backward working set", at["working_set"]),
         row("  largest transient (a2a buffers, scores)", at["transient"]),
         row("  LM head and loss (alternative peak)", at["lm_head"]),

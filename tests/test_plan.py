@@ -12,6 +12,7 @@ from conftest import tiny_model_cfg
 from k3 import plan as P
 from k3.config import default_config
 from k3.mla.cost import MLA_SCORE_BYTES
+from k3.moe.cost import expert_product_bytes
 from k3.optim import param_dimension_numbers
 from k3.params import count_params
 
@@ -220,6 +221,32 @@ def test_kept_kda_inputs_are_what_the_traced_step_keeps():
         assert 0 < freed < planned, (freed, planned)
     assert (P.saved_residual_bytes(cfg("dots_kernels_glu_inputs"), 2, 32, platform="cpu")
             == P.saved_residual_bytes(cfg("dots_kernels_glu"), 2, 32, platform="cpu"))
+
+
+def test_kept_expert_products_are_what_the_traced_step_keeps():
+    """'dots_kernels_glu_experts' keeps every MoE layer's expert gate/up products and combined
+    outputs: the traced residuals exceed 'dots_kernels_glu''s by exactly the planner's count, for
+    the capacity experts (GPU) and the dropless ragged ones (CPU), at two batches and two capacities."""
+    def cfg(policy, capacity):
+        c = default_config()
+        c.model = tiny_model_cfg(dtype="bfloat16")
+        c.model.remat, c.model.remat_policy = True, policy
+        c.model.moe.expert_capacity = capacity
+        return c
+
+    n_moe = sum(ffn == "moe" for _, ffn in P._layers(cfg("dots_kernels_glu", 1.0).model)[0])
+    assert n_moe > 0
+    for platform, batch, capacity in (("gpu", 1, 1.25), ("gpu", 3, 2.0), ("cpu", 2, 1.25)):
+        extra = (P.saved_residual_bytes(cfg("dots_kernels_glu_experts", capacity), batch, 32, platform=platform)
+                 - P.saved_residual_bytes(cfg("dots_kernels_glu", capacity), batch, 32, platform=platform))
+        c = cfg("dots_kernels_glu_experts", capacity)
+        lay = P.make_layout(c, P.plan_sharder(ONE), batch, 32, platform=platform)
+        assert lay.experts == ("capacity" if platform == "gpu" else "ragged")
+        per_layer = expert_product_bytes(c.model, lay, 2)
+        assert extra == n_moe * per_layer > 0, (platform, batch, extra, per_layer)
+    terms = {p: P.plan(P.load_model(cfg(p, 1.25)), ONE, "h200", batch=2, seq=32, remat=True)["memory"]
+             ["activation_terms"]["kept_inputs"] for p in ("dots_kernels_glu_experts", "dots_kernels_glu")}
+    assert terms["dots_kernels_glu"] == 0 and terms["dots_kernels_glu_experts"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from k3.ffn import glu_bytes
+from k3.moe.layer import expert_capacity
 from k3.nn import norm_bytes
 
 
@@ -70,6 +71,24 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
         sent = R if lay.dispatch == "padded" else N * e.top_k
         transient = (sent + R) * W * a
     return {"moe": moe}, transient
+
+
+def expert_product_bytes(m, lay, a: int) -> float:
+    """Bytes of one MoE layer's named expert products (`k3.ffn.EXPERT_PRODUCTS`), per device, which a
+    remat policy in `k3.model.SAVES_EXPERT_PRODUCTS` keeps across the whole forward: the gate and up
+    products R F_e a each, R the expert rows (P C received with expert parallelism; E C with the
+    'capacity' backend, C = `k3.moe.layer.expert_capacity`; else the N k routes), and the combined
+    outputs N k W a."""
+    e = m.moe
+    N = lay.tokens
+    W = e.latent_dim if e.latent_dim > 0 else m.d_model
+    if lay.P > 1:
+        R = lay.P * lay.C
+    elif lay.experts == "capacity":
+        R = e.n_experts * expert_capacity(N * e.top_k, e.n_experts, e.expert_capacity)
+    else:
+        R = N * e.top_k
+    return float(R * 2 * (e.expert_dim // lay.expert_mlp_div) * a + N * e.top_k * W * a)
 
 
 def moe_all_to_all_bytes(m, lay, a: int, passes: int) -> float:

@@ -26,9 +26,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from k3.ffn import glu_activation
+from k3.ffn import EXPERT_PRODUCTS, glu_activation
 from k3.sharding import Sharder, spec_axes
 
 
@@ -39,8 +40,8 @@ def _local_experts(x_MW, e_M, w_gate_EWF, w_up_EWF, w_down_EFW, activation, beta
     e_sorted = e_M[order]
     group_sizes = jnp.bincount(e_M, length=E + 1)[:E].astype(jnp.int32)
     xs = x_MW[order]
-    gate = jax.lax.ragged_dot(xs, w_gate_EWF, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up_EWF, group_sizes)
+    gate = checkpoint_name(jax.lax.ragged_dot(xs, w_gate_EWF, group_sizes), EXPERT_PRODUCTS)
+    up = checkpoint_name(jax.lax.ragged_dot(xs, w_up_EWF, group_sizes), EXPERT_PRODUCTS)
     out = jax.lax.ragged_dot(glu_activation(gate, up, activation, *betas), w_down_EFW, group_sizes)
     # Rows past the groups (empty buffer slots) are not defined by every backend's ragged_dot.
     out = jnp.where((e_sorted < E)[:, None], out, 0)
@@ -198,6 +199,7 @@ def routed_experts_sharded(sharder: Sharder, h_BTW, idx_BTk, weights_BTk, w_gate
             out, dropped = _ragged_exchange(h.reshape(b * t, -1), idx_Nk, wg, wu, wd, a2a=a2a, **kwargs)
         if f_axes:
             out = jax.lax.psum(out, f_axes)
+        out = checkpoint_name(out, EXPERT_PRODUCTS)
         y = jnp.einsum("nkw,nk->nw", out.astype(jnp.float32), wts.reshape(b * t, k))
         extra_N = tuple(a.reshape((b * t,) + a.shape[2:]) for a in extra)
         stats = stats_fn(idx_Nk, *extra_N) if stats_fn is not None else {}

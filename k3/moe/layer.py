@@ -35,11 +35,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3.moe import balancing
 from k3.backends import Table, platform
 from k3.moe.expert_parallel import routed_experts_sharded
-from k3.ffn import GLUMLP, glu_activation, glu_parts_output
+from k3.ffn import EXPERT_PRODUCTS, GLUMLP, glu_activation, glu_parts_output
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder
 
@@ -66,13 +67,13 @@ def ragged_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, b
     token_of = order // k
     x_sorted = x_ND[token_of]
     group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, w_up_EDF, group_sizes)
+    gate = checkpoint_name(jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_sizes), EXPERT_PRODUCTS)
+    up = checkpoint_name(jax.lax.ragged_dot(x_sorted, w_up_EDF, group_sizes), EXPERT_PRODUCTS)
     h = glu_activation(gate, up, activation, *betas)
     out_sorted = jax.lax.ragged_dot(h, w_down_EFD, group_sizes)
     # Gather back through the inverse permutation: cheaper to differentiate than a scatter.
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return out_sorted[inverse].reshape(N, k, -1), jnp.zeros((), jnp.int32)
+    return checkpoint_name(out_sorted[inverse].reshape(N, k, -1), EXPERT_PRODUCTS), jnp.zeros((), jnp.int32)
 
 
 def expert_capacity(n_routes: int, n_experts: int, factor: float) -> int:
@@ -138,13 +139,13 @@ def capacity_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation,
     slot, route_of_slot = capacity_slots(idx_Nk, E, C)
     # Dispatch: slot s reads token route_of_slot[s] // k (N: empty); token n feeds slots slot[n, :].
     xs = gather_rows(x_ND, route_of_slot // k, slot.reshape(N, k)).reshape(E, C, -1)
-    gate = jnp.einsum("ecd,edf->ecf", xs, w_gate_EDF)
-    up = jnp.einsum("ecd,edf->ecf", xs, w_up_EDF)
+    gate = checkpoint_name(jnp.einsum("ecd,edf->ecf", xs, w_gate_EDF), EXPERT_PRODUCTS)
+    up = checkpoint_name(jnp.einsum("ecd,edf->ecf", xs, w_up_EDF), EXPERT_PRODUCTS)
     out = jnp.einsum("ecf,efd->ecd", glu_activation(gate, up, activation, *betas), w_down_EFD)
     # Combine: route r reads slot[r] (E*C: dropped); slot s feeds route route_of_slot[s] (N k: none).
     y = gather_rows(out.reshape(E * C, -1), slot, route_of_slot[:, None])
     dropped = jnp.sum(slot == E * C).astype(jnp.int32)
-    return y.reshape(N, k, -1), dropped
+    return checkpoint_name(y.reshape(N, k, -1), EXPERT_PRODUCTS), dropped
 
 
 @EXPERT_BACKENDS.register("dense")
