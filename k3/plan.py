@@ -32,6 +32,8 @@ Per-device bytes (1 GB = 1e9 bytes):
                temporary bytes from 1 to 3 stacked copies of the layer, split over the tensors that
                scale it. They fold in the fp32 copies JAX saves for norms, gates and activations,
                and what XLA's fusion removes again; another backend's fusion will differ somewhat.
+               KDA's constants are instead fitted to the residuals JAX traces for the layer
+               (`k3.kda.cost.KDA_LAYER_BYTES`, `KDA_CHUNK_FIT`), per core and conv backend.
 
 Collective bytes sent per device per step (ring algorithms: all-gather and reduce-scatter of an array
 of S bytes over n devices send S (n-1)/n, all-reduce 2 S (n-1)/n, all-to-all of an S-byte buffer
@@ -69,7 +71,8 @@ from k3.config import layer_kinds, validate
 from k3.backends import BackendError
 from k3.ffn import dense_residual_bytes, dense_tensor_bytes
 from k3.hardware import PEAK_BF16_FLOPS
-from k3.kda.cost import kda_chunk_layer_bytes, kda_context_bytes, kda_input_bytes, kda_residual_bytes
+from k3.kda.cost import (KDA_LAYER_BYTES, kda_chunk_layer_bytes, kda_context_bytes, kda_input_bytes,
+                         kda_residual_bytes)
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
 from k3.model import (LAYER_LOOPS, SAVES_EXPERT_PRODUCTS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, cross_entropy,
@@ -423,9 +426,9 @@ class Layout:
     destination device (0 without expert parallelism; `k3.moe.cost.moe_dispatch_rows`); ``dispatch``:
     'padded' (fixed [P, C] buffers travel) or 'ragged' (only the routed rows travel; the receive
     buffer still has P C rows; `k3.moe.cost.moe_dispatch`).
-    ``attention``/``kda_core``/``experts``: the `k3.mla.ATTENTION` / `k3.kda.ops.KDA_CORES` /
-    `k3.moe.layer.EXPERT_BACKENDS` entries the config runs on the planned device's platform ('auto'
-    resolved there).
+    ``attention``/``kda_core``/``kda_conv``/``experts``: the `k3.mla.ATTENTION` / `k3.kda.ops.KDA_CORES`
+    / `k3.kda.layer.CONV_BACKENDS` / `k3.moe.layer.EXPERT_BACKENDS` entries the config runs on the
+    planned device's platform ('auto' resolved there).
     """
 
     batch_axes: tuple[str, ...]
@@ -446,6 +449,7 @@ class Layout:
     dispatch: str = "padded"
     attention: str = "xla"
     kda_core: str = "chunk"
+    kda_conv: str = "xla"
     experts: str = "ragged"
 
     @property
@@ -479,6 +483,7 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
         attention = ATTENTION.resolve(m.mla.attention_impl, platform)
         kda_core = KDA_CORES.resolve(m.kda.impl, platform)
         experts = EXPERT_BACKENDS.resolve(m.moe.expert_impl, platform)
+        kda_conv = CONV_BACKENDS.resolve(m.kda.conv_impl, platform)
     except BackendError as e:
         raise PlanError(str(e)) from e
     accum = cfg.optim.grad_accum
@@ -514,7 +519,7 @@ def make_layout(cfg, sharder: Sharder, batch: int, seq: int, capacity_factor: fl
         expert_mlp_div=_shards(sharder, f_axes),
         vocab_div=_axes_shards(sharder, ("act_vocab",), (m.vocab_size,), 0)[1],
         expert_axes=expert_axes, P=P, C=C, dispatch=dispatch, attention=attention, kda_core=kda_core,
-        experts=experts)
+        experts=experts, kda_conv=kda_conv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -906,9 +911,11 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
                      f"({MLA_SCORE_BYTES:.0f} B per score): {lay.micro} x {m.mla.n_heads // lay.mla_heads_div} "
                      f"x {lay.t} x {lay.seq} per MLA layer")
     if lay.kda_core != "pallas" and any(k == "kda" for k, _ in kinds):
+        K, C = m.kda.head_dim, m.kda.chunk_size
+        pallas = KDA_LAYER_BYTES["pallas"] + K * 2 / C + C * 6 / K  # bf16, Pallas core and conv kernels
         notes.append(f"KDA runs the jnp {lay.kda_core} core (model.kda.impl={m.kda.impl}), which keeps about "
-                     f"{kda_chunk_layer_bytes(m.kda.chunk_size):.0f} B per element of "
-                     "N H K for the backward; the Pallas kernel keeps about a third of that")
+                     f"{kda_chunk_layer_bytes(C, K):.0f} B per element of N H K for the backward; the Pallas "
+                     f"kernels keep about {pallas:.0f} in bf16")
     if lay.cp > 1 and not any("context" in g for g, _, _ in comm_info):
         notes.append("no parameter is sharded over context: every context rank holds the full FSDP shard; "
                      f"--config.mesh.rule_overrides={context_fsdp_overrides(cfg.mesh.rule_overrides)} "

@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import tiny_model_cfg
 
 from k3 import plan as P
 from k3.config import default_config
 from k3.mla.cost import MLA_SCORE_BYTES
+from k3.kda.cost import kda_residual_bytes
 from k3.moe.cost import expert_product_bytes
 from k3.optim import param_dimension_numbers
 from k3.params import count_params
@@ -221,6 +224,46 @@ def test_kept_kda_inputs_are_what_the_traced_step_keeps():
         assert 0 < freed < planned, (freed, planned)
     assert (P.saved_residual_bytes(cfg("dots_kernels_glu_inputs"), 2, 32, platform="cpu")
             == P.saved_residual_bytes(cfg("dots_kernels_glu"), 2, 32, platform="cpu"))
+
+
+def _traced_kda_residuals(cfg, batch: int, seq: int, platform: str) -> float:
+    """Bytes of one KDA layer's VJP residuals for a bf16 input [batch, seq, D], less the compute-dtype
+    copies of its parameters (the planner counts those as kept weights)."""
+    from flax import nnx
+
+    from k3 import backends
+    from k3.kda.layer import KDA
+
+    def residuals():
+        layer = KDA(cfg.model, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        x = jnp.zeros((batch, seq, cfg.model.d_model), jnp.bfloat16)
+        seg = jnp.ones((batch, seq), jnp.int32)
+        ids = {id(a) for a in jax.tree.leaves(params)}
+        vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x, seg), params, x)[1]
+        return [a for a in jax.tree.leaves(vjp) if id(a) not in ids and hasattr(a, "dtype")], params
+
+    with backends.targeting(platform):
+        leaves, params = jax.eval_shape(residuals)
+    nbytes = lambda xs, size=None: sum(math.prod(a.shape) * (size or a.dtype.itemsize) for a in xs)  # noqa: E731
+    return nbytes(leaves) - nbytes(jax.tree.leaves(params), 2)
+
+
+@pytest.mark.parametrize("platform,conv", [("gpu", "pallas"), ("gpu", "xla"), ("cpu", "xla")])
+def test_kda_residuals_are_what_the_traced_layer_keeps(platform, conv):
+    """The planner's KDA layer bytes (`k3.kda.cost.kda_residual_bytes`) within 2% of the residuals
+    JAX traces for the layer, for the Pallas core (GPU) with either conv backend and the jnp chunked
+    core (CPU), at head dims 16-64, chunks 16-32 and a projection width unequal to d_model."""
+    for heads, head_dim, chunk in ((4, 16, 16), (2, 64, 32), (3, 32, 16)):
+        c = default_config()
+        c.model = tiny_model_cfg(dtype="bfloat16", d_model=64, **{"kda.n_heads": heads, "kda.head_dim": head_dim,
+                                                                "kda.chunk_size": chunk, "kda.conv_impl": conv})
+        batch, seq = 2, 64
+        traced = _traced_kda_residuals(c, batch, seq, platform)
+        lay = P.make_layout(c, P.plan_sharder(ONE), batch, seq, platform=platform)
+        assert (lay.kda_core, lay.kda_conv) == ("pallas" if platform == "gpu" else "chunk", conv)
+        planned = kda_residual_bytes(c.model, lay, 2, False)[0]["kda"]
+        assert planned == pytest.approx(traced, rel=0.02), (heads, head_dim, chunk, planned, traced)
 
 
 def test_kept_expert_products_are_what_the_traced_step_keeps():

@@ -13,9 +13,14 @@ bytes ``a``; fp32 values count f = 4 bytes.
 
 from __future__ import annotations
 
-# Bytes per element of N*H*K, measured at K = 128 as the `k3.plan` docstring describes.
-KDA_CHUNK_BYTES = (316.0, 1.1)  # whole KDA layer on the jnp chunked core: a + b * chunk
-KDA_LAYER_BYTES = 121.0  # outside the core: causal convs, gates, output norm
+# Bytes per element of N*H*K that a KDA layer keeps for its backward besides its input (N D a),
+# fitted to the residuals JAX traces for the layer in bf16 (K 32-128, C 16-64; within 0.3%,
+# `tests/test_plan.py::test_kda_residuals_are_what_the_traced_layer_keeps`):
+# the jnp chunked core with XLA's conv branches, a + b C/K + c K/C + d C;
+KDA_CHUNK_FIT = (379.2, 43.2, 7.76, 1.91)
+# outside the Pallas core's own residuals, per conv backend (`k3.kda.layer.CONV_BACKENDS`): projections,
+# conv branches, gates and the output norm. The Pallas conv kernels keep 131 bytes less than XLA's conv.
+KDA_LAYER_BYTES = {"pallas": 58.0, "xla": 189.3}
 
 
 def kda_core_flops(K: int, V: int, C: int) -> float:
@@ -32,20 +37,24 @@ def kda_flops(kda_cfg, n_layers: int = 1) -> float:
     return n_layers * k.n_heads * kda_core_flops(k.head_dim, k.head_dim, k.chunk_size)
 
 
-def kda_chunk_layer_bytes(chunk_size: int) -> float:
-    """Bytes per element of N*H*K that a whole KDA layer keeps for its backward on a jnp core
-    ('chunk', 'reference', 'recurrent') at ``chunk_size``: KDA_CHUNK_BYTES a + b C."""
-    return KDA_CHUNK_BYTES[0] + KDA_CHUNK_BYTES[1] * chunk_size
+def kda_chunk_layer_bytes(chunk_size: int, head_dim: int) -> float:
+    """Bytes per element of N*H*K that a whole KDA layer (XLA conv branches) keeps for its backward on
+    a jnp core ('chunk', 'reference', 'recurrent'), besides its input: `KDA_CHUNK_FIT` at chunk C and
+    head dim K."""
+    a, b, c, d = KDA_CHUNK_FIT
+    C, K = chunk_size, head_dim
+    return a + b * C / K + c * K / C + d * C
 
 
 def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     """Bytes one KDA layer keeps for its backward pass, per device: ({'kda': bytes}, transient).
 
-    m: the model config; lay: the planner's layout; a: compute-dtype bytes. With X = N H K (N local
-    tokens, H heads per device, K = V = head_dim, C = chunk_size):
-      X (KDA_LAYER + core); core on a jnp core: `kda_chunk_layer_bytes` - KDA_LAYER; on 'pallas'
-      the kernel's own residuals: 3 a + 3 f (q, k, v, cumulative gate, w, v_new) + 2 C f / K
-      (Aqk, T) + V f / C (chunk states);
+    m: the model config; lay: the planner's layout; a: compute-dtype bytes. With N local tokens,
+    D = d_model, H heads per device, K = V = head_dim, C = chunk_size and X = N H K:
+      N D a, the layer's input; X KDA_LAYER_BYTES[conv] outside the core (conv backend ``lay.kda_conv``);
+      the core: on 'pallas' its kernel's residuals X (V a / C (chunk states) + C (f + a) / K (T, Aqk))
+      + N H (3 f + a) (beta and the per-head gate terms) + N K a (the decay's low-rank input, rank K);
+      on a jnp core `kda_chunk_layer_bytes` - KDA_LAYER_BYTES['xla'] per element;
       context > 1: + the gathered state pairs cp b H K (K + V) f.
     The transient is 0.0: nothing KDA holds briefly outgrows its residuals. ``qk_clip`` is MLA's
     setting (the planner's per-layer formulas share one signature).
@@ -56,12 +65,13 @@ def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     H = k.n_heads // lay.kda_heads_div
     K = V = k.head_dim
     C = k.chunk_size
-    X = lay.tokens * H * K
+    N = lay.tokens
+    X = N * H * K
     if lay.kda_core == "pallas":
-        core = 3 * a + 3 * f + 2 * C * f / K + V * f / C
+        core = X * (V * a / C + C * (f + a) / K) + N * H * (3 * f + a) + N * K * a
     else:
-        core = kda_chunk_layer_bytes(C) - KDA_LAYER_BYTES
-    kda = X * (KDA_LAYER_BYTES + core)
+        core = X * (kda_chunk_layer_bytes(C, K) - KDA_LAYER_BYTES["xla"])
+    kda = N * m.d_model * a + X * KDA_LAYER_BYTES[lay.kda_conv] + core
     if lay.cp > 1:
         kda += lay.cp * lay.micro * H * K * (K + V) * f  # the gathered state pairs
     return {"kda": kda}, 0.0
