@@ -337,6 +337,29 @@ def test_depth_mix_keeps_no_float32_copy_of_the_candidates():
     assert all(aval.dtype == jnp.bfloat16 for aval in big), big
 
 
+def test_recomputing_backwards_fence_their_residuals():
+    """The VJPs that recompute forward values (GLU, RMSNorm, the jnp depth mix) read their residuals
+    through `k3.nn.recomputed`'s barrier, so XLA cannot merge the recomputation into the forward and
+    store fp32 intermediates there (measured on the GPU compile only: BENCHMARKS.md); each backward's
+    program holds one barrier, the forward none."""
+    from k3.nn import rms_norm
+
+    x = _rand(0, (4, 16, 32)).astype(jnp.bfloat16)
+    cands = _rand(1, (3, 4, 16, 32)).astype(jnp.bfloat16)
+    fns = {
+        "glu": lambda a, b: glu_activation(a, b, "situ"),
+        "rms_norm": lambda a, b: rms_norm(a, b[0, 0], 1e-6),
+        "depth_mix": lambda a, b: attn_res.depth_mix(cands, jnp.array([True, True, False]), a,
+                                                     jnp.asarray(True), b[0, 0], 1e-5),
+    }
+    for name, fn in fns.items():
+        def count(jaxpr):
+            return str(jaxpr).count("optimization_barrier")
+        loss = lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) ** 2)  # noqa: E731
+        assert count(jax.make_jaxpr(loss)(x, x)) == 0, name
+        assert count(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, x)) == 1, name
+
+
 @pytest.mark.parametrize("hinted", [False, True])
 def test_attn_res_stream_follows_block_schedule(hinted):
     """The traced stream equals a list-based walk of the spec's schedule (uniform mixes); with
