@@ -105,8 +105,8 @@ def _depth_mix_bwd(eps, n_valid, res, dout_BTD):
 depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 # Who computes the depth mixes (``model.attn_res_impl``), each entry called as (cands, valid, extra,
-# extra_valid, w, eps, n_valid, gamma, norm_eps) and returning rms_norm(mix) * gamma when a gain is
-# given: 'xla' the jnp `depth_mix` then `k3.nn.rms_norm`; 'pallas' one Pallas kernel forward and one
+# extra_valid, w, eps, n_valid, gamma, norm_eps, w_gain) and returning rms_norm(mix) * gamma when a
+# gain is given; the pseudo-query is w * w_gain when w_gain is given: 'xla' the jnp `depth_mix` then `k3.nn.rms_norm`; 'pallas' one Pallas kernel forward and one
 # backward for the mix (`pallas_kernels.attn_res`; interpreted off a GPU), the norm by XLA;
 # 'pallas_norm' the norm inside the same two kernels (the mix is never written out): the GPU default,
 # K3 1024:12's step 3.0 ms faster than with 'pallas' on an H100 (BENCHMARKS.md).
@@ -115,33 +115,36 @@ MIX_BACKENDS = Table("model.attn_res_impl", default="xla", auto={"gpu": "pallas_
 
 @MIX_BACKENDS.register("xla")
 def depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None, gamma_D=None,
-                        norm_eps=None):
+                        norm_eps=None, w_gain_D=None):
     """`depth_mix`, then `k3.nn.rms_norm` of its output (in the candidates' dtype) when a gain is given."""
-    out = depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid)
+    w = w_D if w_gain_D is None else w_D * w_gain_D
+    out = depth_mix(cands_MBTD, valid_M, extra_BTD, extra_valid, w.astype(jnp.float32), eps, n_valid)
     return out if gamma_D is None else rms_norm(out, gamma_D, norm_eps)
 
 
 @MIX_BACKENDS.register("pallas")
 def depth_mix_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None, gamma_D=None,
-                      norm_eps=None):
+                      norm_eps=None, w_gain_D=None):
     """`depth_mix` through the Pallas kernels where the width suits their tiles (a power of two >= 16,
     `kernel_width_ok`), then `k3.nn.rms_norm`; other widths (the ladder's d384, d448) run
     `depth_mix_then_norm`."""
     if not kernel_width_ok(cands_MBTD.shape[-1]):
-        return depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid, gamma_D, norm_eps)
-    out = depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid)
+        return depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid, gamma_D, norm_eps,
+                                   w_gain_D)
+    out = depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid, w_gain_D=w_gain_D)
     return out if gamma_D is None else rms_norm(out, gamma_D, norm_eps)
 
 
 @MIX_BACKENDS.register("pallas_norm")
 def depth_mix_norm_kernels(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=None, gamma_D=None,
-                           norm_eps=None):
+                           norm_eps=None, w_gain_D=None):
     """The mix and its RMSNorm in the same Pallas kernels (the norm on the fp32 mix, its backward
     rebuilt from the candidates) where the width suits their tiles; `depth_mix_then_norm` elsewhere."""
     if not kernel_width_ok(cands_MBTD.shape[-1]):
-        return depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid, gamma_D, norm_eps)
+        return depth_mix_then_norm(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid, gamma_D, norm_eps,
+                                   w_gain_D)
     return depth_mix_pallas(cands_MBTD, valid_M, extra_BTD, extra_valid, w_D, eps, n_valid=n_valid, gamma_D=gamma_D,
-                            norm_eps=norm_eps)
+                            norm_eps=norm_eps, w_gain_D=w_gain_D)
 
 
 class AttnResMix(nnx.Module):
@@ -171,25 +174,27 @@ class AttnResMix(nnx.Module):
         are skipped.
         """
         with jax.named_scope("attn_res"):
-            w = (self.query[...] * self.norm[...]).astype(jnp.float32)
             if extra_BTD is None:
                 extra_BTD, extra_valid = jnp.zeros_like(cands_MBTD[0]), False
             mix = MIX_BACKENDS.get(self.impl)
             gamma = None if norm is None else norm.weight[...]
             norm_eps = None if norm is None else norm.eps
-            args = (cands_MBTD, jnp.asarray(valid_M), extra_BTD, jnp.asarray(extra_valid, bool), w)
+            # The pseudo-query is query * norm gain; the kernels form the product themselves.
+            args = (cands_MBTD, jnp.asarray(valid_M), extra_BTD, jnp.asarray(extra_valid, bool), self.query[...])
+            gain = self.norm[...]
             sh = self.sharder
             if self.impl.startswith("pallas") and sh is not None and sh.mesh.size > 1:
                 tok = sh.spec(("batch", "seq", None), extra_BTD.shape)
                 cand = PartitionSpec(None, *tok)
                 rep = PartitionSpec()
                 if gamma is None:
-                    return jax.shard_map(lambda *a: mix(*a, self.eps, n_valid), mesh=sh.mesh,
-                                         in_specs=(cand, rep, tok, rep, rep), out_specs=tok, check_vma=False)(*args)
-                return jax.shard_map(lambda *a: mix(*a[:5], self.eps, n_valid, a[5], norm_eps), mesh=sh.mesh,
-                                     in_specs=(cand, rep, tok, rep, rep, rep), out_specs=tok,
-                                     check_vma=False)(*args, gamma)
-            return mix(*args, self.eps, n_valid, gamma, norm_eps)
+                    return jax.shard_map(lambda *a: mix(*a[:5], self.eps, n_valid, None, None, a[5]), mesh=sh.mesh,
+                                         in_specs=(cand, rep, tok, rep, rep, rep), out_specs=tok,
+                                         check_vma=False)(*args, gain)
+                return jax.shard_map(lambda *a: mix(*a[:5], self.eps, n_valid, a[6], norm_eps, a[5]), mesh=sh.mesh,
+                                     in_specs=(cand, rep, tok, rep, rep, rep, rep), out_specs=tok,
+                                     check_vma=False)(*args, gain, gamma)
+            return mix(*args, self.eps, n_valid, gamma, norm_eps, gain)
 
 
 def n_bank_slots(n_layers: int, block_size: int) -> int:

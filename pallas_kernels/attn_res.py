@@ -50,10 +50,10 @@ def _candidate(cands_ref, extra_ref, m, n, dt, rows=slice(None)):
     return (cands_ref[m, rows, :] if m < n else extra_ref[rows, :]).astype(dt)
 
 
-def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, gamma_ref, out_ref, p_ref, lg_ref, r_ref, ro_ref, *, n, D,
-                eps, norm_eps):
+def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, wg_ref, gamma_ref, out_ref, p_ref, lg_ref, r_ref, ro_ref, *,
+                n, D, eps, norm_eps):
     dt = p_ref.dtype
-    w = w_ref[...].astype(dt)  # [1, D]
+    w = w_ref[...].astype(dt) * wg_ref[...].astype(dt)  # [1, D]
     logits, rs, masked = [], [], []
     for m in range(n + 1):
         v = _candidate(cands_ref, extra_ref, m, n, dt)
@@ -83,15 +83,15 @@ def _fwd_kernel(cands_ref, extra_ref, valid_ref, w_ref, gamma_ref, out_ref, p_re
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, gamma_ref, p_ref, lg_ref, r_ref, ro_ref, dc_ref, de_ref,
-                dw_ref, dg_ref, *, n, D, block, steps, norm):
+def _bwd_kernel(cands_ref, extra_ref, dout_ref, w_ref, wg_ref, gamma_ref, p_ref, lg_ref, r_ref, ro_ref, dc_ref,
+                de_ref, dw_ref, dg_ref, *, n, D, block, steps, norm):
     """``steps`` sub-blocks of ``block`` tokens in a loop (not unrolled: unrolled, the compiler kept
     several sub-blocks live and spilled), so that a program's partial dw row covers block * steps
     tokens. With the norm, dout is the normed output's cotangent: the mix is rebuilt from the
     candidates and p, and the norm's backward gives the mix's cotangent (and a partial row of the
     gain's gradient)."""
     dt = p_ref.dtype
-    w = w_ref[...].astype(dt)
+    w = w_ref[...].astype(dt) * wg_ref[...].astype(dt)
 
     def sub_block(s, acc):
         dw, dg = acc
@@ -132,7 +132,7 @@ def _specs(M, n, BN, D):
             lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape)))
 
 
-def _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, interpret, num_warps):
+def _forward(cands_MND, extra_ND, valid_n1, w_D, wg_D, gamma_D, eps, norm_eps, n, block, interpret, num_warps):
     M, N, D = cands_MND.shape
     dt = compute_dtype(cands_MND)
     cand, _, tok, stat, whole = _specs(M, n, block, D)
@@ -140,16 +140,16 @@ def _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, bloc
     stat_shape = jax.ShapeDtypeStruct((n + 1, N), dt)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, n=n, D=D, eps=eps, norm_eps=norm_eps), grid=(N // block,),
-        in_specs=[cand, tok, whole((n + 1, 16)), whole((1, D)), whole((1, D))],
+        in_specs=[cand, tok, whole((n + 1, 16)), whole((1, D)), whole((1, D)), whole((1, D))],
         out_specs=[tok, stat, stat, stat, pl.BlockSpec((1, block), lambda i: (0, i))],
         out_shape=[jax.ShapeDtypeStruct((N, D), cands_MND.dtype), stat_shape, stat_shape, stat_shape,
                    jax.ShapeDtypeStruct((1, N), dt)],
         interpret=interpret, name="attn_res_mix_norm_fwd" if norm_eps is not None else "attn_res_mix_fwd",
         compiler_params=triton_params(interpret, num_warps, 1),
-    )(cands_MND, extra_ND, valid, w_D.astype(dt)[None, :], gamma_D.astype(dt)[None, :])
+    )(cands_MND, extra_ND, valid, w_D[None, :], wg_D[None, :], gamma_D[None, :])
 
 
-def _backward(cands_MND, extra_ND, dout_ND, w_D, gamma_D, p, lg, r, ro, n, block, steps, norm, interpret,
+def _backward(cands_MND, extra_ND, dout_ND, w_D, wg_D, gamma_D, p, lg, r, ro, n, block, steps, norm, interpret,
               num_warps):
     M, N, D = cands_MND.shape
     cand, written, tok, stat, whole = _specs(M, n, block * steps, D)
@@ -158,37 +158,42 @@ def _backward(cands_MND, extra_ND, dout_ND, w_D, gamma_D, p, lg, r, ro, n, block
     row = pl.BlockSpec((1, D), lambda i: (i, 0))
     dc, de, dw, dg = pl.pallas_call(
         functools.partial(_bwd_kernel, n=n, D=D, block=block, steps=steps, norm=norm), grid=(nb,),
-        in_specs=[cand, tok, tok, whole((1, D)), whole((1, D)), stat, stat, stat,
+        in_specs=[cand, tok, tok, whole((1, D)), whole((1, D)), whole((1, D)), stat, stat, stat,
                   pl.BlockSpec((1, block * steps), lambda i: (0, i))],
         out_specs=[written, tok, row, row],
         out_shape=[jax.ShapeDtypeStruct((n, N, D), cands_MND.dtype),
                    jax.ShapeDtypeStruct(extra_ND.shape, extra_ND.dtype), partial, partial],
         interpret=interpret, name="attn_res_mix_norm_bwd" if norm else "attn_res_mix_bwd",
         compiler_params=triton_params(interpret, num_warps, 1),
-    )(cands_MND, extra_ND, dout_ND, w_D.astype(p.dtype)[None, :], gamma_D.astype(p.dtype)[None, :], p, lg, r, ro)
+    )(cands_MND, extra_ND, dout_ND, w_D[None, :], wg_D[None, :], gamma_D[None, :], p, lg, r, ro)
     if n < M:  # the slots past n are invalid: no gradient
         dc = jnp.pad(dc, ((0, M - n), (0, 0), (0, 0)))
     return dc, de, jnp.sum(dw, axis=0), jnp.sum(dg, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
-def _mix(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, steps, interpret, warps):
-    """warps: (forward, backward) warps per program."""
-    return _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, interpret, warps[0])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+def _mix(cands_MND, extra_ND, valid_n1, w_D, wg_D, gamma_D, eps, norm_eps, n, block, steps, interpret, warps):
+    """The pseudo-query is w * wg, formed inside the kernels (in a decode step with bf16 weights a
+    product or cast outside them is one more launch per mix). warps: (forward, backward) warps per
+    program."""
+    return _forward(cands_MND, extra_ND, valid_n1, w_D, wg_D, gamma_D, eps, norm_eps, n, block, interpret,
+                    warps[0])[0]
 
 
-def _mix_fwd(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, steps, interpret, warps):
-    out, p, lg, r, ro = _forward(cands_MND, extra_ND, valid_n1, w_D, gamma_D, eps, norm_eps, n, block, interpret,
-                                 warps[0])
-    return out, (cands_MND, extra_ND, w_D, gamma_D, p, lg, r, ro)
+def _mix_fwd(cands_MND, extra_ND, valid_n1, w_D, wg_D, gamma_D, eps, norm_eps, n, block, steps, interpret, warps):
+    out, p, lg, r, ro = _forward(cands_MND, extra_ND, valid_n1, w_D, wg_D, gamma_D, eps, norm_eps, n, block,
+                                 interpret, warps[0])
+    return out, (cands_MND, extra_ND, w_D, wg_D, gamma_D, p, lg, r, ro)
 
 
 def _mix_bwd(eps, norm_eps, n, block, steps, interpret, warps, res, dout_ND):
     del eps
-    cands_MND, extra_ND, w_D, gamma_D, p, lg, r, ro = res
-    dc, de, dw, dg = _backward(cands_MND, extra_ND, dout_ND, w_D, gamma_D, p, lg, r, ro, n, block, steps,
+    cands_MND, extra_ND, w_D, wg_D, gamma_D, p, lg, r, ro = res
+    dc, de, dq, dg = _backward(cands_MND, extra_ND, dout_ND, w_D, wg_D, gamma_D, p, lg, r, ro, n, block, steps,
                                norm_eps is not None, interpret, warps[1])
-    return dc, de, None, dw.astype(w_D.dtype), dg.astype(gamma_D.dtype)
+    # dq: the gradient of the product q = w * wg.
+    dw, dwg = dq * wg_D.astype(dq.dtype), dq * w_D.astype(dq.dtype)
+    return dc, de, None, dw.astype(w_D.dtype), dwg.astype(wg_D.dtype), dg.astype(gamma_D.dtype)
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
@@ -196,12 +201,14 @@ _mix.defvjp(_mix_fwd, _mix_bwd)
 
 def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
                      w_D: jax.Array, eps: float, *, n_valid: int | None = None, gamma_D: jax.Array | None = None,
-                     norm_eps: float | None = None, block: int = 2, steps: int = 1, interpret: bool | None = None,
-                     num_warps: int = 1, bwd_warps: int | None = None) -> jax.Array:
+                     norm_eps: float | None = None, w_gain_D: jax.Array | None = None, block: int = 2,
+                     steps: int = 1, interpret: bool | None = None, num_warps: int = 1,
+                     bwd_warps: int | None = None) -> jax.Array:
     """`k3.attn_res.depth_mix` through the Pallas kernels: [B, T, D] in the candidates' dtype.
 
     cands: [M, B, T, D]; valid: [M] bool; extra: [B, T, D] with its validity (bool scalar); w: [D]
-    fp32 (pseudo-query times norm gain). Differentiable in cands, extra and w. ``n_valid``: a static
+    (pseudo-query times norm gain, or with ``w_gain_D`` [D] the pseudo-query alone: the kernels form
+    the product, in fp32 whatever the parameters' dtype). Differentiable in cands, extra, w, w_gain. ``n_valid``: a static
     count that says the candidates past the first n_valid are invalid (the bank's unfilled slots): the
     kernels neither read them nor write their (zero) gradients; None reads all M. ``gamma_D`` and
     ``norm_eps``: the RMSNorm that reads the mix, applied in the kernels (the result is
@@ -238,9 +245,12 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
         raise ValueError(f"depth_mix_pallas: the norm needs both gamma [D] = {(D,)} and norm_eps; got "
                          f"{None if gamma_D is None else jnp.shape(gamma_D)} and {norm_eps}")
     gamma = jnp.zeros((D,), jnp.float32) if gamma_D is None else gamma_D
+    if w_gain_D is not None and jnp.shape(w_gain_D) != (D,):
+        raise ValueError(f"depth_mix_pallas: w_gain must be [D] = {(D,)}; got {jnp.shape(w_gain_D)}")
+    w_gain = jnp.ones((D,), w_D.dtype) if w_gain_D is None else w_gain_D
     valid = jnp.concatenate([jnp.asarray(valid_M, bool)[:n], jnp.asarray(extra_valid, bool)[None]])
     if bwd_warps is None:
         bwd_warps = num_warps if norm_eps is None else max(num_warps, 2)
-    out = _mix(cands, extra, valid, w_D, gamma, float(eps), None if norm_eps is None else float(norm_eps), n, block,
-               steps, interpret, (num_warps, bwd_warps))
+    out = _mix(cands, extra, valid, w_D, w_gain, gamma, float(eps), None if norm_eps is None else float(norm_eps),
+               n, block, steps, interpret, (num_warps, bwd_warps))
     return out[:N].reshape(B, T, D)

@@ -73,6 +73,31 @@ def test_mix_with_its_norm_matches_float64_reference(x64, M, B, T, n_valid, extr
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_pseudo_query_gain_formed_in_the_kernels_float64(x64, with_norm):
+    """``w_gain_D``: the kernels multiply the pseudo-query by the key-norm gain themselves; values and
+    the gradients of both factors (and candidates, extra) against autodiff of the plain formula."""
+    M, B, T = 3, 2, 19
+    cands, extra, q = _inputs(5, M, B, T, 16, jnp.float64)
+    q = q.astype(jnp.float64)
+    gain = 1.0 + 0.4 * jax.random.normal(jax.random.key(7), (16,), jnp.float64)
+    gamma = 1.0 + 0.3 * jax.random.normal(jax.random.key(8), (16,), jnp.float64)
+    dout = jax.random.normal(jax.random.key(9), (B, T, 16), jnp.float64)
+    valid, ev = jnp.array([True, True, False]), jnp.asarray(True)
+    norm = dict(gamma_D=gamma, norm_eps=1e-6) if with_norm else {}
+
+    def plain(c, e, q, a):
+        x = depth_mix_plain(c, valid, e, ev, q * a, 1e-5)
+        return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gamma if with_norm else x
+
+    got, got_vjp = jax.vjp(lambda c, e, q, a: depth_mix_pallas(c, valid, e, ev, q, 1e-5, n_valid=2, w_gain_D=a,
+                                                               interpret=True, **norm), cands, extra, q, gain)
+    want, want_vjp = jax.vjp(plain, cands, extra, q, gain)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("cands", "extra", "query", "gain"), got_vjp(dout), want_vjp(dout)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
+
+
 def test_mix_with_its_norm_bf16_matches_the_unfused_backend():
     """bf16 as in training: the fused kernels against `depth_mix` followed by `rms_norm` (which rounds
     the mix to bf16 between them), through `AttnResMix` with a norm (its gain and eps)."""
@@ -83,6 +108,7 @@ def test_mix_with_its_norm_bf16_matches_the_unfused_backend():
     for impl in ("xla", "pallas_norm"):
         mix = attn_res.AttnResMix(32, 1e-5, rngs=nnx.Rngs(1), impl=impl)
         mix.query[...] = 0.5 * w
+        mix.norm[...] = 1.0 + 0.3 * jax.random.normal(jax.random.key(5), (32,))
 
         def f(c, e, g, mix=mix):
             return mix(c, valid, e, ev, n_valid=2, norm=types.SimpleNamespace(weight=g, eps=1e-6))
