@@ -106,7 +106,8 @@ depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 # Who computes the depth mixes (``model.attn_res_impl``), each entry called as (cands, valid, extra,
 # extra_valid, w, eps, n_valid, gamma, norm_eps, w_gain) and returning rms_norm(mix) * gamma when a
-# gain is given; the pseudo-query is w * w_gain when w_gain is given: 'xla' the jnp `depth_mix` then `k3.nn.rms_norm`; 'pallas' one Pallas kernel forward and one
+# gain is given (the pseudo-query is w * w_gain when w_gain is given): 'xla' the jnp `depth_mix` then
+# `k3.nn.rms_norm`; 'pallas' one Pallas kernel forward and one
 # backward for the mix (`pallas_kernels.attn_res`; interpreted off a GPU), the norm by XLA;
 # 'pallas_norm' the norm inside the same two kernels (the mix is never written out): the GPU default,
 # K3 1024:12's step 3.0 ms faster than with 'pallas' on an H100 (BENCHMARKS.md).
