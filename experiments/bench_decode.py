@@ -1,6 +1,6 @@
 """Decode speed and memory: a small K3 against an all-MLA model of the same shape, at long contexts.
 
-    python -m experiments.bench_decode [--contexts=4096,32768,131072] [--batch=8] [--steps=64]
+    python -m experiments.bench_decode [--contexts=4096,32768,131072] [--models=k3,all_mla] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=unrolled|scanned]
         [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]
@@ -248,6 +248,8 @@ def bench_speculative(d_model: int, n_layers: int, batch: int, new_tokens: int, 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="4096,32768,131072")
+    p.add_argument("--models", default="k3,all_mla",
+                   help="which of 'k3' and 'all_mla' to time (the ratio column needs both)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--d_model", type=int, default=1024)
@@ -269,9 +271,13 @@ def main(argv=None):
                    help="also profile one call and list this many device kernels by share of time")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
+    kinds = [m for m in a.models.split(",") if m]
+    bad = sorted(set(kinds) - {"k3", "all_mla"})
+    if bad or not kinds:
+        p.error(f"--models: expected a comma list of 'k3' and 'all_mla'; got {a.models!r}")
     rows = []
     for context in (int(x) for x in a.contexts.split(",")):
-        for kind in ("k3", "all_mla"):
+        for kind in kinds:
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
             rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
                               a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop, a.moe_decode))
@@ -299,12 +305,13 @@ def main(argv=None):
                   f" plain ({r['speedup']:.2f}x; {r['mean_accepted']:.2f} tokens per row and pass; "
                   f"same tokens: {r['same_tokens']})")
             continue
-        base = next(x for x in rows if x["context"] == r["context"] and x["model"] == "all_mla")
+        base = next((x for x in rows if x["context"] == r["context"] and x["model"] == "all_mla"), None)
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         temp = f"{r['temp_bytes'] / 2 ** 20:.0f}" if r["temp_bytes"] is not None else "n/a"
         floor = f"{r['floor_ms']:.3f}" if r["floor_ms"] else "n/a"
         times = f"{r['x_floor']:.1f}" if r["x_floor"] else "n/a"
         print(f"{r['context']:>9}{r['model']:>9}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>10.2f}{floor:>10}{times:>9}"
-              f"{r['cache_bytes'] / 2 ** 20:>11.1f}{temp:>12}{r['tokens_per_s'] / base['tokens_per_s']:>18.2f}")
+              f"{r['cache_bytes'] / 2 ** 20:>11.1f}{temp:>12}{ratio:>18}")
     return rows
 
 

@@ -357,6 +357,11 @@ def test_bench_decode_runs_and_reports_both_models():
     assert all(r["tokens_per_s"] > 0 and r["cache_bytes"] > 0 for r in rows)
     host = bench_decode.bench("k3", 64, 4, 24, 2, 3, "bfloat16", "bfloat16", loop="host")
     assert host["loop"] == "host" and host["tokens_per_s"] > 0 and host["temp_bytes"] is not None
+    only = bench_decode.main(["--contexts=24", "--batch=2", "--steps=3", "--d_model=64", "--n_layers=4",
+                              "--models=k3"])
+    assert [r["model"] for r in only] == ["k3"]
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--models=k3,mla"])
 
 
 @pytest.mark.parametrize("style", STYLES_SLOW_K3)
