@@ -72,7 +72,7 @@ from k3.backends import BackendError
 from k3.ffn import dense_residual_bytes, dense_tensor_bytes
 from k3.hardware import PEAK_BF16_FLOPS
 from k3.kda.cost import (KDA_LAYER_BYTES, kda_chunk_layer_bytes, kda_context_bytes, kda_input_bytes,
-                         kda_residual_bytes)
+                         kda_pallas_core_bytes, kda_residual_bytes)
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
 from k3.model import (LAYER_LOOPS, SAVES_EXPERT_PRODUCTS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, cross_entropy,
@@ -912,7 +912,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
                      f"x {lay.t} x {lay.seq} per MLA layer")
     if lay.kda_core != "pallas" and any(k == "kda" for k, _ in kinds):
         K, C = m.kda.head_dim, m.kda.chunk_size
-        pallas = KDA_LAYER_BYTES["pallas"] + K * 2 / C + C * 6 / K  # bf16, Pallas core and conv kernels
+        pallas = KDA_LAYER_BYTES["pallas"] + kda_pallas_core_bytes(C, K, 2)  # bf16, Pallas core and conv kernels
         notes.append(f"KDA runs the jnp {lay.kda_core} core (model.kda.impl={m.kda.impl}), which keeps about "
                      f"{kda_chunk_layer_bytes(C, K):.0f} B per element of N H K for the backward; the Pallas "
                      f"kernels keep about {pallas:.0f} in bf16")

@@ -46,14 +46,20 @@ def kda_chunk_layer_bytes(chunk_size: int, head_dim: int) -> float:
     return a + b * C / K + c * K / C + d * C
 
 
+def kda_pallas_core_bytes(chunk_size: int, head_dim: int, a: int) -> float:
+    """Bytes per element of N*H*K of the Pallas KDA kernel's own per-chunk residuals at compute-dtype
+    bytes ``a``: the chunk states V a / C and the pair matrices T (fp32) and Aqk, C (4 + a) / K."""
+    C, K = chunk_size, head_dim
+    return K * a / C + C * (4 + a) / K
+
+
 def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     """Bytes one KDA layer keeps for its backward pass, per device: ({'kda': bytes}, transient).
 
     m: the model config; lay: the planner's layout; a: compute-dtype bytes. With N local tokens,
     D = d_model, H heads per device, K = V = head_dim, C = chunk_size and X = N H K:
       N D a, the layer's input; X KDA_LAYER_BYTES[conv] outside the core (conv backend ``lay.kda_conv``);
-      the core: on 'pallas' its kernel's residuals X (V a / C (chunk states) + C (f + a) / K (T, Aqk))
-      + N H (3 f + a) (beta and the per-head gate terms) + N K a (the decay's low-rank input, rank K);
+      the core: on 'pallas' its kernel's residuals X `kda_pallas_core_bytes` + N H (3 f + a) (beta and the per-head gate terms) + N K a (the decay's low-rank input, rank K);
       on a jnp core `kda_chunk_layer_bytes` - KDA_LAYER_BYTES['xla'] per element;
       context > 1: + the gathered state pairs cp b H K (K + V) f.
     The transient is 0.0: nothing KDA holds briefly outgrows its residuals. ``qk_clip`` is MLA's
@@ -68,7 +74,7 @@ def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     N = lay.tokens
     X = N * H * K
     if lay.kda_core == "pallas":
-        core = X * (V * a / C + C * (f + a) / K) + N * H * (3 * f + a) + N * K * a
+        core = X * kda_pallas_core_bytes(C, K, a) + N * H * (3 * f + a) + N * K * a
     else:
         core = X * (kda_chunk_layer_bytes(C, K) - KDA_LAYER_BYTES["xla"])
     kda = N * m.d_model * a + X * KDA_LAYER_BYTES[lay.kda_conv] + core
