@@ -59,7 +59,8 @@ def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     m: the model config; lay: the planner's layout; a: compute-dtype bytes. With N local tokens,
     D = d_model, H heads per device, K = V = head_dim, C = chunk_size and X = N H K:
       N D a, the layer's input; X KDA_LAYER_BYTES[conv] outside the core (conv backend ``lay.kda_conv``);
-      the core: on 'pallas' its kernel's residuals X `kda_pallas_core_bytes` + N H (3 f + a) (beta and the per-head gate terms) + N K a (the decay's low-rank input, rank K);
+      the core: on 'pallas' its kernel's residuals X `kda_pallas_core_bytes` + N H (3 f + a) (beta
+      and the per-head gate terms) + N K a (the decay's low-rank input, rank K);
       on a jnp core `kda_chunk_layer_bytes` - KDA_LAYER_BYTES['xla'] per element;
       context > 1: + the gathered state pairs cp b H K (K + V) f.
     The transient is 0.0: nothing KDA holds briefly outgrows its residuals. ``qk_clip`` is MLA's
