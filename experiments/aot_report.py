@@ -162,13 +162,13 @@ def compile_step(cfg, device):
 def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode: str = "auto",
                         moe_decode: str = "auto"):
     """(compiled step, seconds): one greedy decode step of `experiments.bench_decode`'s served model
-    (bf16 weights, layers unrolled, a cache holding ``context`` tokens), abstract and on ``device``."""
+    (bf16 weights, served layout `k3.model.served`, a cache holding ``context`` tokens), abstract and on ``device``."""
     from jax.sharding import SingleDeviceSharding
     from flax import nnx
 
     from experiments.bench_decode import capacity, model_config
     from k3 import decode
-    from k3.model import Model, unrolled
+    from k3.model import Model, served
 
     kind, d, layers = spec.split(":")
     where = SingleDeviceSharding(device)
@@ -176,7 +176,7 @@ def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode:
     t0 = time.perf_counter()
     with _for_gpu():
         cfg = model_config(kind, int(d), int(layers), "bfloat16", mla_decode, moe_decode)
-        model = nnx.eval_shape(lambda: unrolled(Model(cfg, rngs=nnx.Rngs(0))))
+        model = nnx.eval_shape(lambda: served(Model(cfg, rngs=nnx.Rngs(0))))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = jax.tree.map(lambda x: put(jax.ShapeDtypeStruct(
             x.shape, jnp.bfloat16 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)), params)

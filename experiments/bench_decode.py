@@ -1,7 +1,7 @@
 """Decode speed and memory: a small K3 against an all-MLA model of the same shape, at long contexts.
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--models=k3,all_mla] [--batch=8] [--steps=64]
-        [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=unrolled|scanned]
+        [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=served|unrolled|scanned]
         [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]
         [--speculative=0] [--json=PATH]
@@ -24,9 +24,11 @@ does; ``host`` calls a jitted single step from Python once per token, as a serve
 A GPU runtime may record a whole jitted call as one CUDA graph (XLA's command buffers), which a
 loop body inside the call may not get: comparing the two separates launch gaps from work.
 
-``--layers=unrolled`` (default) serves the weights split per layer (`k3.model.unrolled`, done once
-before timing, as a server would at load time); ``scanned`` keeps the training layout, whose decode
-step slices every body layer's weights out of their stack.
+``--layers=served`` (default) holds the weights as a server would (`k3.model.served`, done once
+before timing, as at load time): split per layer, each mixer's input projections fused into one
+matrix; ``unrolled`` splits the layers only (`k3.model.unrolled`: XLA then merges the input
+projections' small matmuls by concatenating their weights at every step); ``scanned`` keeps the
+training layout, whose decode step slices every body layer's weights out of their stack.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from flax import nnx
 from experiments.configs.ladder import arm_config
 from k3 import decode
 from k3.hardware import device_hbm_bandwidth
-from k3.model import Model, unrolled
+from k3.model import Model, served, unrolled
 from k3.params import count_params
 
 
@@ -143,12 +145,11 @@ def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int
 
 
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
-          weights_dtype: str = "", profile_top: int = 0, layers: str = "unrolled", hbm: float = 0.0,
+          weights_dtype: str = "", profile_top: int = 0, layers: str = "served", hbm: float = 0.0,
           mla_decode: str = "auto", loop: str = "scan", moe_decode: str = "auto") -> dict:
     cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode)
     model = Model(cfg, rngs=nnx.Rngs(0))
-    if layers == "unrolled":
-        model = unrolled(model)
+    model = {"served": served, "unrolled": unrolled, "scanned": lambda m: m}[layers](model)
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
         jax.eval_shape(lambda: decode.init_cache(model, batch, capacity(context)))))
 
@@ -257,8 +258,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--weights_dtype", default="same",
                    help="dtype the weights are stored in ('same': the compute dtype; 'float32': as trained)")
-    p.add_argument("--layers", default="unrolled", choices=("unrolled", "scanned"),
-                   help="decode with the weights split per layer (as served) or in the scanned training layout")
+    p.add_argument("--layers", default="served", choices=("served", "unrolled", "scanned"),
+                   help="served (split per layer, input projections fused), unrolled (split only) or scanned")
     p.add_argument("--speculative", type=int, default=0,
                    help="K > 0: also time prompt-lookup speculative decoding with K-token drafts")
     p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")

@@ -31,7 +31,7 @@ from flax import nnx
 from k3 import attn_res
 from k3.kda.layer import replay_kda
 from k3.mla.layer import write_rows
-from k3.model import per_layer, replace_slot, unrolled, walk_layers
+from k3.model import per_layer, replace_slot, served, walk_layers
 from k3.nn import cast
 
 
@@ -133,8 +133,8 @@ def _generate_fn(graphdef, max_new: int, max_len: int, temperature: float, top_k
     @jax.jit
     def run(params, rest, tokens_BP, lengths_B, stop_ids, key):
         model = nnx.merge(graphdef, params, rest)
-        if unroll_layers:  # split once, before the loop: no per-token copy of the stacked weights
-            model = unrolled(model)
+        if unroll_layers:  # once, before the loop: no per-token copy or concatenation of weights
+            model = served(model)
         B = tokens_BP.shape[0]
         cache = init_cache(model, B, max_len)
         last, cache = prefill(model, tokens_BP, lengths_B, cache, prefill_chunk)
@@ -162,9 +162,9 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
     stops after emitting one of ``stop_tokens`` (included in its output). Greedy when
     ``temperature`` <= 0. ``graphdef, params, rest``: the model as `nnx.split(model, nnx.Param, ...)`.
     Prompts longer than ``prefill_chunk`` are prefilled in pieces of that many tokens.
-    ``unroll_layers`` decodes through `k3.model.unrolled` (each layer's weights split out of the
-    scanned stack once per call, so the token loop reads them in place; compile time grows with
-    depth); False keeps the scanned layout.
+    ``unroll_layers`` decodes through `k3.model.served` (each layer's weights split out of the
+    scanned stack and its input projections fused, once per call, so the token loop reads them in
+    place; compile time grows with depth); False keeps the scanned training layout.
     Returns the new tokens of each row.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -267,7 +267,7 @@ def ngram_drafts(history_BL: jax.Array, length_B: jax.Array, k: int, n: int = 2)
 def _speculative_fns(graphdef, k: int, n: int, unroll_layers: bool):
     def model_of(params, rest):
         model = nnx.merge(graphdef, params, rest)
-        return unrolled(model) if unroll_layers else model
+        return served(model) if unroll_layers else model
 
     @functools.partial(jax.jit, static_argnums=(4,))
     def start(params, rest, tokens_BP, lengths_B, max_len):

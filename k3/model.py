@@ -21,7 +21,7 @@ from k3.ffn import EXPERT_PRODUCTS, GLU_OUTPUT, GLUMLP
 from k3.kda.layer import KDA
 from k3.mla.layer import MLA, qk_clip
 from k3.moe.layer import MoE, new_bias
-from k3.nn import WEIGHT_CAST, RMSNorm, cast, normal, param
+from k3.nn import FUSED_INPUTS, WEIGHT_CAST, RMSNorm, cast, normal, param
 from k3.sharding import Sharder, constrain
 from pallas_kernels.common import ATTENTION_RESIDUALS, KDA_INPUTS, KDA_RESIDUALS
 
@@ -444,6 +444,22 @@ def unrolled(model: Model) -> Model:
     out.head_idx = tuple(range(len(out.head_layers)))
     out.tail_layers, out.tail_idx = nnx.List([]), ()
     out.body, out.body_repeats = None, 0
+    return out
+
+
+def served(model: Model) -> Model:
+    """The model as a decode server holds it: every layer unrolled (`unrolled`) and each mixer's input
+    projections fused into one matrix (`k3.nn.fuse_inputs`), so a step reads each weight once, in
+    place. Same outputs up to matmul rounding; ``model`` itself is not changed. The fused weights are
+    a copy (made once, at load time or before a jitted decode loop); training the served model would
+    orthogonalise the fused matrix as one under Muon, so it is for inference only.
+    """
+    graphdef, state = nnx.split(unrolled(model))
+    out = nnx.merge(graphdef, state)  # new modules over the same arrays: the fusion below is local
+    for layer in out.head_layers:
+        fuse = getattr(layer.mixer, "fuse_inputs", None)
+        if fuse is not None and getattr(layer.mixer, FUSED_INPUTS, None) is None:
+            fuse()
     return out
 
 

@@ -8,6 +8,7 @@ Every parameter carries logical axis names in its ``out_sharding`` metadata (``e
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -121,3 +122,44 @@ def cast(w: nnx.Param | jax.Array, dtype) -> jax.Array:
     """A parameter's value in the compute dtype, named `WEIGHT_CAST` for remat policies."""
     value = w[...] if isinstance(w, nnx.Variable) else w
     return checkpoint_name(value.astype(dtype), WEIGHT_CAST)
+
+
+# Serving layout of a layer's input projections: the weights [D, *rest] that all read the layer's
+# input x, concatenated once into one [D, N] matrix. A decode step multiplies a few rows of x by each
+# of them; XLA then merges those small dots into one by concatenating the weights, which copies every
+# one of them at every step. Stored fused, the step reads them once, in one matmul.
+FUSED_INPUTS = "w_in"
+
+
+def project_inputs(layer: nnx.Module, x_BTD: jax.Array, names: Sequence[str], dtype) -> list[jax.Array]:
+    """The named input projections of ``layer``: x [B, T, D] times each weight [D, *rest] ->
+    [B, T, *rest] in ``dtype``, one matmul when `fuse_inputs` has fused them (same values up to the
+    matmul's rounding)."""
+    fused = getattr(layer, FUSED_INPUTS, None)
+    if fused is None:
+        ws = [getattr(layer, n) for n in names]
+        return [jnp.einsum(f"btd,d{'hkjl'[:w.ndim - 1]}->bt{'hkjl'[:w.ndim - 1]}", x_BTD, cast(w, dtype))
+                for w in ws]
+    y = jnp.einsum("btd,dn->btn", x_BTD, cast(fused, dtype))
+    out, start = {}, 0
+    for name, rest in layer.fused_shapes:
+        size = math.prod(rest)
+        out[name] = y[..., start:start + size].reshape(x_BTD.shape[:2] + tuple(rest))
+        start += size
+    return [out[n] for n in names]
+
+
+def fuse_inputs(layer: nnx.Module, names: Sequence[str]) -> None:
+    """Replaces ``layer``'s input-projection weights ``names`` (each [D, *rest], unstacked) by one
+    [D, sum(prod(rest))] parameter `FUSED_INPUTS`, in place; `project_inputs` reads either layout.
+    For serving (`k3.model.served`): the fused matrix is one parameter, so training it would change
+    Muon's per-matrix orthogonalisation."""
+    ws = [getattr(layer, n) for n in names]
+    D = ws[0].shape[0]
+    if any(w.ndim < 2 or w.shape[0] != D for w in ws):
+        raise ValueError(f"fuse_inputs: {names} must all be [D, ...] with one D, got {[w.shape for w in ws]}")
+    setattr(layer, FUSED_INPUTS, nnx.Param(jnp.concatenate([w[...].reshape(D, -1) for w in ws], axis=1),
+                                           out_sharding=("embed", None)))
+    layer.fused_shapes = tuple((n, tuple(w.shape[1:])) for n, w in zip(names, ws))
+    for n in names:
+        setattr(layer, n, None)

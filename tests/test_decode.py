@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from k3 import decode
-from k3.model import Model, unrolled
+from k3.model import Model, served, unrolled
 from tests.conftest import tiny_model_cfg
 
 TOL = 1e-4
@@ -350,7 +350,7 @@ def test_bench_decode_runs_and_reports_both_models():
     assert k3["floor_bytes"]["kda_state"] > 0 and mla["floor_bytes"]["kda_state"] == 0
     assert k3["floor_bytes"]["mla_cache"] < mla["floor_bytes"]["mla_cache"]
     for r in rows:
-        assert r["layers"] == "unrolled" and r["floor_bytes"]["weights"] > 0
+        assert r["layers"] == "served" and r["floor_bytes"]["weights"] > 0
         assert r["floor_ms"] == pytest.approx(sum(r["floor_bytes"].values()) / 1e12 * 1e3)
         assert r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
     assert all(r["weights_dtype"] == "bfloat16" for r in rows)
@@ -388,6 +388,54 @@ def test_unrolled_model_decodes_like_the_scanned_one(style):
             == decode.generate(graphdef, params, rest, prompts, 5, unroll_layers=False))
 
 
+def _exact_decode_logits(model, toks_BT, lengths_B, max_len: int, ends) -> list:
+    """Logits of a ragged prefill of toks[:, :ends[0]] (``lengths_B`` valid per row), then of each
+    extend by toks[:, ends[i-1]:ends[i]], with full-precision matmuls."""
+    with jax.default_matmul_precision("highest"):
+        cache = decode.init_cache(model, toks_BT.shape[0], max_len)
+        out, start, n = [], 0, lengths_B
+        for end in ends:
+            lg, cache = decode.extend(model, toks_BT[:, start:end], cache, n)
+            out.append(lg)
+            start, n = end, None
+    return out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mixer": "mla", "mla.q_lora_rank": 0, "mla.output_gate": False}])
+def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides):
+    """`served` = `unrolled` + each mixer's input projections as one [D, N] matrix: the original
+    weights are gone from the served layers (and kept by the model it came from), the fused matrix
+    holds them side by side, and the logits of a forward pass and of a ragged prefill plus a decode
+    step equal the unfused model's (full-precision matmuls; K3's KDA and gated MLA with a query
+    latent, and MLA with neither)."""
+    model = Model(tiny_model_cfg(n_layers=4, **overrides), rngs=nnx.Rngs(3))
+    flat, fused = unrolled(model), served(model)
+    for layer, ref in zip(fused.head_layers, flat.head_layers):
+        mixer = layer.mixer
+        names = [n for n, _ in mixer.fused_shapes]
+        assert all(getattr(mixer, n) is None for n in names) and getattr(ref.mixer, names[0]) is not None
+        cols = np.concatenate([np.asarray(getattr(ref.mixer, n)[...]).reshape(mixer.w_in.shape[0], -1)
+                               for n in names], axis=1)
+        np.testing.assert_array_equal(np.asarray(mixer.w_in[...]), cols)
+    assert {n for n, _ in fused.head_layers[0].mixer.fused_shapes} >= (
+        {"w_q", "w_k", "w_v", "w_fa", "w_beta", "w_gate"} if not overrides else {"q_b", "kv_a"})
+    toks = jax.random.randint(jax.random.key(5), (2, 9), 0, 97)
+    lengths = jnp.asarray([6, 2])
+    outs = [[m(toks)[0]] + _exact_decode_logits(m, toks, lengths, 16, (6, 7)) for m in (flat, fused)]
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=TOL)
+
+
+def test_fuse_inputs_refuses_weights_of_another_input_width():
+    """Only weights that all read x [.., D] can share one matrix: a mismatch names the shapes."""
+    from k3.nn import fuse_inputs
+
+    mixer = Model(tiny_model_cfg(n_layers=4), rngs=nnx.Rngs(0)).head_layers[0].mixer
+    with pytest.raises(ValueError, match="must all be"):
+        fuse_inputs(mixer, ("w_q", "w_o"))
+    assert mixer.w_q is not None  # nothing was replaced
+
+
 def test_pallas_latent_decode_attention_equals_the_xla_form():
     """`model.mla.decode_impl='pallas'` (the split-S kernel over the cached latents, interpreted on a
     CPU, compiled on a GPU) gives the XLA form's logits: a ragged prefill, single-token steps and a
@@ -399,14 +447,7 @@ def test_pallas_latent_decode_attention_equals_the_xla_form():
     ref = Model(cfg, rngs=nnx.Rngs(4))
     toks = jax.random.randint(jax.random.key(9), (3, 12), 0, cfg.vocab_size)
     lengths = jnp.asarray([5, 1, 7])
-    outs = []
-    for model in (kernel, ref):
-        with jax.default_matmul_precision("highest"):
-            cache = decode.init_cache(model, 3, 64)
-            lg0, cache = decode.extend(model, toks[:, :7], cache, lengths)
-            lg1, cache = decode.extend(model, toks[:, 7:8], cache)
-            lg2, cache = decode.extend(model, toks[:, 8:11], cache)
-        outs.append((lg0, lg1, lg2))
+    outs = [_exact_decode_logits(model, toks, lengths, 64, (7, 8, 11)) for model in (kernel, ref)]
     for a, b in zip(*outs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 

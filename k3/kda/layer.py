@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from k3.backends import Table
-from k3.nn import cast, compute_dtype, normal, ones, param, rms_norm, zeros
+from k3.nn import cast, compute_dtype, fuse_inputs, normal, ones, param, project_inputs, rms_norm, zeros
 from k3.kda.ops import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
 from k3.kda.parallel import kda_core_sharded
 from k3.sharding import Sharder, spec_axes
@@ -141,9 +141,16 @@ class KDA(nnx.Module):
         self.o_norm = param(rngs, ones, (K,), ("head_dim",))
         self.w_o = param(rngs, init, (H, K, D), ("heads", "head_dim", "embed"))
 
-    def _branch(self, x, w, conv, segment_ids, norm: bool):
-        """Projection, conv, SiLU (and per-head L2 norm when ``norm``): [B, T, H, K] in the compute dtype."""
-        y = jnp.einsum("btd,dhk->bthk", x, cast(w, self.dtype))
+    # Weights that read the layer's input x, in the order of their fused serving layout.
+    INPUTS = ("w_q", "w_k", "w_v", "w_fa", "w_beta", "w_gate")
+
+    def fuse_inputs(self) -> None:
+        """Serving layout: the input projections as one matrix (`k3.nn.fuse_inputs`)."""
+        fuse_inputs(self, self.INPUTS)
+
+    def _branch(self, y, conv, segment_ids, norm: bool):
+        """Conv and SiLU (and per-head L2 norm when ``norm``) of a projection y [B, T, H, K]: [B, T, H, K]
+        in the compute dtype."""
         sh = self.sharder
         split = self.conv_impl == "pallas" and sh is not None and sh.mesh.size > 1
         # The kernels see whole rows of their device's tokens and heads; a split sequence would need
@@ -166,25 +173,29 @@ class KDA(nnx.Module):
 
     def gates(self, x_BTD: jax.Array):
         """Per-channel log decay g [B, T, H, K] and beta [B, T, H], both fp32."""
-        x = x_BTD.astype(self.dtype)
-        z = jnp.einsum("btd,dr->btr", x, cast(self.w_fa, self.dtype))
-        z = jnp.einsum("btr,rhk->bthk", z, cast(self.w_fb, self.dtype)).astype(jnp.float32)
+        fa, b = project_inputs(self, x_BTD.astype(self.dtype), ("w_fa", "w_beta"), self.dtype)
+        return self._gates(fa, b)
+
+    def _gates(self, fa_BTR: jax.Array, b_BTH: jax.Array):
+        """g and beta (see `gates`) from the input projections x w_fa [B, T, r] and x w_beta [B, T, H]."""
+        z = jnp.einsum("btr,rhk->bthk", fa_BTR, cast(self.w_fb, self.dtype)).astype(jnp.float32)
         z = z + self.dt_bias[...].astype(jnp.float32)
         A_log = self.A_log[...].astype(jnp.float32)
         if self.gate_kind == "bounded":
             g = kda_gate_bounded(z, A_log, self.lower_bound)
         else:
             g = kda_gate_softplus(z, A_log)
-        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, cast(self.w_beta, self.dtype)).astype(jnp.float32))
+        beta = jax.nn.sigmoid(b_BTH.astype(jnp.float32))
         return g, beta
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
                  initial_state=None, return_state: bool = False):
         x = x_BTD.astype(self.dtype)
-        q = self._branch(x, self.w_q, self.conv_q, segment_ids_BT, norm=True)
-        k = self._branch(x, self.w_k, self.conv_k, segment_ids_BT, norm=True)
-        v = self._branch(x, self.w_v, self.conv_v, segment_ids_BT, norm=False)
-        g, beta = self.gates(x)
+        yq, yk, yv, fa, b, gate = project_inputs(self, x, self.INPUTS, self.dtype)
+        q = self._branch(yq, self.conv_q, segment_ids_BT, norm=True)
+        k = self._branch(yk, self.conv_k, segment_ids_BT, norm=True)
+        v = self._branch(yv, self.conv_v, segment_ids_BT, norm=False)
+        g, beta = self._gates(fa, b)
         kwargs = dict(impl=self.impl, initial_state=initial_state, output_final_state=return_state,
                       chunk_size=self.chunk_size, matmul_dtype=self.matmul_dtype,
                       gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
@@ -200,8 +211,7 @@ class KDA(nnx.Module):
             with jax.named_scope("kda_core"):
                 o, state = kda_core(q, k, v, g, beta, segment_ids=segment_ids_BT, **kwargs)
         o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
-        gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
-        o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
+        o = (o * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
         return (y, state) if return_state else y
 
@@ -218,10 +228,9 @@ class KDA(nnx.Module):
         ring = jnp.zeros((batch, self.conv_size - 1, H * K), jnp.float32)
         return {"state": jnp.zeros((batch, H, K, K), jnp.float32), "conv_q": ring, "conv_k": ring, "conv_v": ring}
 
-    def _branch_extend(self, x, w, conv, ring_BWC, n_valid_B):
-        """A projection's conv branch continued from its ring: ([B, T, H, K], new ring, the
-        pre-conv projections [B, T, H*K] fp32)."""
-        y = jnp.einsum("btd,dhk->bthk", x, cast(w, self.dtype))
+    def _branch_extend(self, y, conv, ring_BWC, n_valid_B):
+        """A projection y [B, T, H, K]'s conv branch continued from its ring: ([B, T, H, K], new ring,
+        the pre-conv projections [B, T, H*K] fp32)."""
         B, T, H, K = y.shape
         y = y.reshape(B, T, H * K).astype(jnp.float32)
         full = jnp.concatenate([ring_BWC, y], axis=1)
@@ -242,12 +251,13 @@ class KDA(nnx.Module):
         del start_B
         x = x_BTD.astype(self.dtype)
         T = x.shape[1]
-        q, ring_q, pre_q = self._branch_extend(x, self.w_q, self.conv_q, cache["conv_q"], n_valid_B)
-        k, ring_k, pre_k = self._branch_extend(x, self.w_k, self.conv_k, cache["conv_k"], n_valid_B)
-        v, ring_v, pre_v = self._branch_extend(x, self.w_v, self.conv_v, cache["conv_v"], n_valid_B)
+        yq, yk, yv, fa, b, gate = project_inputs(self, x, self.INPUTS, self.dtype)
+        q, ring_q, pre_q = self._branch_extend(yq, self.conv_q, cache["conv_q"], n_valid_B)
+        k, ring_k, pre_k = self._branch_extend(yk, self.conv_k, cache["conv_k"], n_valid_B)
+        v, ring_v, pre_v = self._branch_extend(yv, self.conv_v, cache["conv_v"], n_valid_B)
         pre = jnp.stack([pre_q, pre_k, pre_v], axis=2) if keep_inputs else None
         q, k, v = l2_normalize(q).astype(self.dtype), l2_normalize(k).astype(self.dtype), v.astype(self.dtype)
-        g, beta = self.gates(x)
+        g, beta = self._gates(fa, b)
         inputs = {"pre": pre, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
         valid = jnp.arange(T)[None, :] < n_valid_B[:, None]
         g = jnp.where(valid[..., None, None], g, 0.0)
@@ -258,8 +268,7 @@ class KDA(nnx.Module):
                             chunk_size=self.chunk_size, matmul_dtype=self.matmul_dtype,
                             gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
         o = rms_norm(o, self.o_norm[...], self.eps).astype(jnp.float32)
-        gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, self.dtype)).astype(jnp.float32)
-        o = (o * jax.nn.sigmoid(gate)).astype(self.dtype)
+        o = (o * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
         new = {"state": state, "conv_q": ring_q, "conv_k": ring_k, "conv_v": ring_v}
         if keep_inputs:

@@ -36,7 +36,7 @@ from flax import nnx
 
 from k3.backends import Table
 from k3.mla.parallel import mla_attention_sharded
-from k3.nn import RMSNorm, cast, normal, param
+from k3.nn import RMSNorm, cast, fuse_inputs, normal, param, project_inputs
 from k3.sharding import Sharder, spec_axes
 
 ATTENTION = Table("model.mla.attention_impl", default="xla", auto={"gpu": "flash"})
@@ -241,20 +241,33 @@ class MLA(nnx.Module):
                        if a.output_gate else None)
         self.w_o = param(rngs, init, (H, a.v_head_dim, D), ("heads", "head_dim", "embed"))
 
-    def _project_q(self, x_BTD):
-        """Queries before RoPE: [B, T, H, nope + rope] (x already in the compute dtype)."""
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Weights that read the layer's input x, in the order of their fused serving layout."""
+        if getattr(self, "fused_shapes", None):
+            return tuple(n for n, _ in self.fused_shapes)
+        return ("q_a" if self.q_a is not None else "q_b", "kv_a") + (("w_gate",) if self.w_gate is not None else ())
+
+    def fuse_inputs(self) -> None:
+        """Serving layout: the input projections as one matrix (`k3.nn.fuse_inputs`)."""
+        fuse_inputs(self, self.inputs)
+
+    def _project(self, x_BTD):
+        """The input projections of x [B, T, D] (in the compute dtype): queries before RoPE
+        [B, T, H, nope + rope], the latent and shared rope key [B, T, kv_lora + rope], and the output
+        gate's logits [B, T, H, v_dim] (None without the gate)."""
         dt = self.dtype
-        if self.q_a is not None:
-            q = jnp.einsum("btd,dr->btr", x_BTD, cast(self.q_a, dt))
-            return jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
-        return jnp.einsum("btd,dhk->bthk", x_BTD, cast(self.q_b, dt))
+        q, kv, *gate = project_inputs(self, x_BTD, self.inputs, dt)
+        if self.inputs[0] == "q_a":
+            q = jnp.einsum("btr,rhk->bthk", self.q_norm(q), cast(self.q_b, dt))
+        return q, kv, (gate[0] if gate else None)
 
     def project_qkv(self, x_BTD, positions_BT):
-        """q, k: [B, T, H, nope + rope]; v: [B, T, H, v_dim] (RoPE applied when configured)."""
+        """q, k: [B, T, H, nope + rope]; v: [B, T, H, v_dim] (RoPE applied when configured); and the
+        output gate's logits [B, T, H, v_dim] (None without the gate)."""
         dt = self.dtype
         x = x_BTD.astype(dt)
-        q = self._project_q(x)
-        kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
+        q, kv, gate = self._project(x)
         c_kv, k_rope = kv[..., : self.kv_lora], kv[..., self.kv_lora:]
         kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), cast(self.kv_b, dt))
         k_nope, v = kv_up[..., : self.nope], kv_up[..., self.nope:]
@@ -266,7 +279,7 @@ class MLA(nnx.Module):
         k_rope = jnp.broadcast_to(k_rope, q_rope.shape)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        return q, k, v
+        return q, k, v, gate
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
                  positions_BT: jax.Array | None = None, return_max_logit: bool = False):
@@ -274,7 +287,7 @@ class MLA(nnx.Module):
         if positions_BT is None:
             positions_BT = (segment_positions(segment_ids_BT) if segment_ids_BT is not None
                             else jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2]))
-        q, k, v = self.project_qkv(x_BTD, positions_BT)
+        q, k, v, gate = self.project_qkv(x_BTD, positions_BT)
         sh = self.sharder
         if sh is not None and sh.size("context") > 1:
             # The sequence is split: each device's queries attend to the gathered keys and values.
@@ -286,8 +299,7 @@ class MLA(nnx.Module):
             with jax.named_scope("attention_core"):
                 o = self.attend(q, k, v, segment_ids_BT, self.scale)
         max_logit = max_attention_logit(q, k, segment_ids_BT, self.scale) if return_max_logit else None
-        if self.w_gate is not None:
-            gate = jnp.einsum("btd,dhk->bthk", x_BTD.astype(self.dtype), cast(self.w_gate, self.dtype))
+        if gate is not None:
             o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), cast(self.w_o, self.dtype))
         return (y, max_logit) if return_max_logit else y
@@ -322,8 +334,7 @@ class MLA(nnx.Module):
         c_old, r_old = cache["c_kv"], cache["k_rope"]
         cd, f32 = c_old.dtype, jnp.float32
         positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        q = self._project_q(x)
-        kv = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
+        q, kv, gate = self._project(x)
         c_kv, k_rope = self.kv_norm(kv[..., : self.kv_lora]), kv[..., self.kv_lora:]
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
         if self.use_rope:
@@ -337,8 +348,7 @@ class MLA(nnx.Module):
         q_rope = q_rope.astype(r_old.dtype)
         o_lat = self.decode_attend(q_lat, q_rope, c_old, r_old, c_new, r_new, start_B, self.scale)
         o = jnp.einsum("bthr,rhv->bthv", o_lat, w_kb_v)
-        if self.w_gate is not None:
-            gate = jnp.einsum("btd,dhk->bthk", x, cast(self.w_gate, dt))
+        if gate is not None:
             o = o * jax.nn.sigmoid(gate.astype(f32))
         y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.w_o, dt))
         return y, {"c_kv": c_new, "k_rope": r_new}
