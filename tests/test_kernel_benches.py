@@ -29,3 +29,20 @@ def test_attn_res_bench_rows_and_bad_shape(capsys):
     assert "block:warps:steps:n" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="MxBxTxD"):
         bench_attn_res.main(["--shape=2x16x16"])
+
+
+def test_gemm_bench_rows_flops_and_json(tmp_path, monkeypatch):
+    """`experiments.bench_gemms` times each shape forward and backward: its TFLOP/s are the shape's
+    2 M N K (4 M N K backward) over the time, with peak fractions when the device's peak is known."""
+    from experiments import bench_gemms
+
+    monkeypatch.setattr(bench_gemms, "SHAPES", (("dense", "nd,df->nf", (64, 32), (32, 16)),
+                                                 ("expert", "ecd,edf->ecf", (2, 8, 16), (2, 16, 8))))
+    monkeypatch.setattr(bench_gemms, "device_peak_flops", lambda: 1e12)
+    out = tmp_path / "g.json"
+    rows = bench_gemms.main([f"--json={out}"])
+    assert [r["name"] for r in rows] == ["dense", "expert"]
+    r = rows[0]
+    assert r["fwd_tflops"] == pytest.approx(2 * 64 * 32 * 16 / (r["fwd_ms"] * 1e-3) / 1e12)
+    assert r["bwd_peak_frac"] == pytest.approx(r["bwd_tflops"] * 1e12 / 1e12)
+    assert json.loads(out.read_text())["rows"][1]["name"] == "expert"
