@@ -14,8 +14,10 @@ that cover the same compute range; 20 tokens per parameter, C = 6 N D = 120 N^2:
 otherwise (``max_epochs = 1``). The corpus is the installed distributions' Python, docs and
 C/C++/CUDA sources (``data.suffixes='code'``); ``--set=data.extra_roots=/usr/include`` adds a
 machine's system headers. ``python -m experiments.corpus_stats --source=site_packages
---suffixes=code [--extra_roots=...]`` sizes it on a machine; at 3.4 bytes per token 189M tokens
-are about 650 MB of text.
+--suffixes=code [--extra_roots=...]`` sizes it on a machine; at 3.3-3.4 bytes per token 189M tokens
+are about 630-650 MB of text. The GPU machines' image holds 642.2 MB of training text with
+``--set=data.extra_roots=/usr/include:/usr/local/cuda/targets/x86_64-linux/include``
+(experiments/RESULTS.md), so the commands below pass that setting there.
 
 Stages (each command resumes where a deadline stopped it; results of several machines merge):
 
