@@ -257,7 +257,7 @@ def _dot_flops(line: str, shapes: dict) -> float:
 def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -> dict:
     """Every kernel one execution of the compiled module launches, with its floor.
 
-    Returns {'kernels': [{name, category, calls, bytes, flops, floor_ms}] (per call figures, calls =
+    Returns {'kernels': [{name, instr, category, calls, bytes, flops, floor_ms}] (per call figures, calls =
     launches per step), 'categories': {category: {kernels, bytes, flops, floor_ms}} (per step), 'launches',
     'unknown_trip_loops'}. Loop bodies count known_trip_count times (once if XLA does not know it)."""
     comps = collections.defaultdict(list)
@@ -342,7 +342,8 @@ def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -
                 label = f"{op} {label}"
             floor_ms = 1e3 * max(moved / hbm_bytes_per_s, flops / peak_flops)
             key = (name, comp)
-            k = kernels.setdefault(key, dict(name=label if triton else name, category=categorize(label, context),
+            k = kernels.setdefault(key, dict(name=label if triton else name, instr=name,
+                                             category=categorize(label, context),
                                              calls=0, bytes=moved, flops=flops, floor_ms=floor_ms))
             k["calls"] += mult
 

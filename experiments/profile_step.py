@@ -20,7 +20,10 @@ from the named scope it ran under (the model marks ``routed_experts``, ``attenti
   norms/elementwise    everything else (fusions of elementwise work and reductions)
 
 Prints the table (ms per step and share of the summed kernel time) and the top kernels, so the
-next change starts from the measured split. The slowest fusions outside the matmul categories are
+next change starts from the measured split. With ``--no_command_buffers`` every kernel keeps its
+HLO op, and `floor_gaps` sets each against its floor from the same compiled HLO (bytes over the HBM
+bandwidth, FLOPs over the peak; `experiments.aot_report.kernel_floors`): the kernels that lose the
+most time, GEMMs with their fraction of the peak. The slowest fusions outside the matmul categories are
 also read from the compiled HLO (`top_fusions`, in the JSON): what each reads and writes (shapes,
 bytes), its fused opcodes and the share of the HBM bandwidth it reaches, which names an fp32
 intermediate written to memory or a reduction far from the bandwidth without a device HLO dump.
@@ -261,7 +264,9 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
             "calls": {k: round(c, 3) for k, c in calls.items()}, "sample_events": samples,
             # ms per step, calls per step, kernel and category of the HLO instructions that took most
             # time (empty under CUDA graphs, whose events name the graph).
-            "top_ops": [(op, ms, round(op_calls[op], 3), *op_kernel[op]) for op, ms in per_op.most_common(80)]}
+            "top_ops": [(op, ms, round(op_calls[op], 3), *op_kernel[op]) for op, ms in per_op.most_common(80)],
+            # every HLO instruction's [ms per step, calls per step, kernel, category] (for `floor_gaps`)
+            "ops": {op: [ms, op_calls[op], *op_kernel[op]] for op, ms in per_op.items()}}
 
 
 def profile_compiled(step, state, batch, n_steps: int, trace_dir: str) -> tuple[dict, dict]:
@@ -278,7 +283,47 @@ def profile_compiled(step, state, batch, n_steps: int, trace_dir: str) -> tuple[
         raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
     res = parse_trace(traces[-1], n_steps, op_context)
     res["top_fusions"] = top_fusions(res, hlo)
+    res["floor_gaps"] = floor_gaps(res.pop("ops"), hlo)
     return res, state
+
+
+def floor_gaps(ops: dict, hlo_text: str, n: int = 40, hbm_bytes_per_s: float = 0.0, peak_flops: float = 0.0) -> dict:
+    """Each traced HLO kernel against its floor: where the step loses time to the hardware.
+
+    ``ops``: {HLO instruction: [ms per step, calls per step, kernel name, category]} (`parse_trace`;
+    only known when CUDA graphs are off, ``--no_command_buffers``). Floors come from
+    `experiments.aot_report.kernel_floors` on the same compiled HLO: max(bytes moved / HBM bandwidth,
+    FLOPs / bf16 peak) per call. Returns {} when the device's rates are unknown (a CPU) or no op
+    matched; else 'matched_ms' (the traced time joined to a floor), 'floor_ms', 'lost_ms_by_category'
+    (measured minus floor, summed per category), and 'top': the ``n`` kernels that lose most, each
+    with op, kernel, category, ms, calls, floor_ms, lost_ms, x_floor, and the TFLOP/s and peak fraction
+    of the matmuls (a GEMM's shape is in the HLO under its op name).
+    """
+    from experiments.aot_report import kernel_floors
+    from k3.hardware import device_hbm_bandwidth, device_peak_flops
+
+    rate, peak = device_hbm_bandwidth(hbm_bytes_per_s), device_peak_flops(peak_flops)
+    if not (rate and peak and ops):
+        return {}
+    floors = {k["instr"]: k for k in kernel_floors(hlo_text, hbm_bytes_per_s=rate, peak_flops=peak)["kernels"]}
+    rows, lost = [], collections.Counter()
+    for op, (ms, calls, kernel, cat) in ops.items():
+        f = floors.get(op)
+        if f is None:
+            continue
+        floor = f["floor_ms"] * calls
+        row = {"op": op, "kernel": kernel, "category": cat, "ms": ms, "calls": calls, "floor_ms": floor,
+               "lost_ms": ms - floor, "x_floor": ms / floor if floor else None}
+        if f["flops"]:
+            row["tflops"] = f["flops"] * calls / (ms / 1e3) / 1e12
+            row["peak_frac"] = row["tflops"] * 1e12 / peak
+        rows.append(row)
+        lost[cat] += ms - floor
+    if not rows:
+        return {}
+    rows.sort(key=lambda r: -r["lost_ms"])
+    return {"matched_ms": sum(r["ms"] for r in rows), "floor_ms": sum(r["floor_ms"] for r in rows),
+            "lost_ms_by_category": dict(lost.most_common()), "top": rows[:n]}
 
 
 _NOT_FUSIONS = ("dense matmuls", "expert matmuls", "fp32 matmuls")
@@ -341,6 +386,16 @@ def print_breakdown(res: dict) -> None:
             ops = ", ".join(f"{k} {v}" for k, v in list(f["ops"].items())[:5])
             print(f"    {f['ms']:>9.2f}  {(f['read_bytes'] + f['write_bytes']) / 2**20:>9.1f} MB  {frac:>5}  "
                   f"{f['name'][:40]:<40} {ops}")
+    gaps = res.get("floor_gaps")
+    if gaps:
+        print(f"  against the floors: {gaps['matched_ms']:.1f} ms traced per HLO op, floor {gaps['floor_ms']:.1f} ms; "
+              "lost per category: " + ", ".join(f"{c} {ms:.1f}" for c, ms in gaps["lost_ms_by_category"].items()))
+        print("  kernels losing most (ms/step, floor, x floor, peak fraction of a matmul, category, op, kernel):")
+        for r in gaps["top"][:15]:
+            pk = f"{r['peak_frac']:.0%}" if "peak_frac" in r else "-"
+            xf = f"{r['x_floor']:.1f}x" if r["x_floor"] else "-"
+            print(f"    {r['ms']:>8.2f} {r['floor_ms']:>7.2f} {xf:>7} {pk:>5}  {r['category']:<18} {r['op'][:28]:<28} "
+                  f"{r['kernel'][:40]}")
 
 
 def main():

@@ -119,3 +119,27 @@ def test_ladder_mode_names_a_bad_ladder_or_arm_before_compiling(tmp_path):
         A.main(["--ladder=experiments/configs/ladder_1e16.py", "--arms=k9"])
     with pytest.raises(SystemExit, match="unknown job"):
         A.main(["--ladder=experiments/configs/ladder_1e16.py", "--jobs=mains"])
+
+
+def test_floor_gaps_set_each_traced_op_against_its_floor():
+    """`experiments.profile_step.floor_gaps` joins a trace's per-op times to `kernel_floors` by HLO
+    instruction name: floors scale with the traced calls, the loss is measured minus floor, a GEMM
+    gets its TFLOP/s and peak fraction, ops the HLO lacks are left out, a CPU (no rates) gives {}."""
+    from experiments.profile_step import floor_gaps
+
+    by = {k["instr"]: k for k in A.kernel_floors(HLO, hbm_bytes_per_s=1e12, peak_flops=1e14)["kernels"]}
+    assert by["kda"]["name"] == "kda_chunk_bwd" and by["y"]["name"] == "y"
+    ops = {"y": [1.0, 4.0, "nvjet_sm90_tst", "dense matmuls"], "m": [0.5, 1.0, "loop_multiply_fusion", "optimizer"],
+           "gone": [9.0, 1.0, "fusion_x", "norms/elementwise"]}
+    g = floor_gaps(ops, HLO, hbm_bytes_per_s=1e12, peak_flops=1e14)
+    rows = {r["op"]: r for r in g["top"]}
+    assert set(rows) == {"y", "m"} and g["matched_ms"] == pytest.approx(1.5)
+    y = rows["y"]
+    assert y["floor_ms"] == pytest.approx(4 * by["y"]["floor_ms"])
+    assert y["lost_ms"] == pytest.approx(1.0 - y["floor_ms"])
+    assert y["tflops"] == pytest.approx(4 * 2 * 512 * 256 * 128 / 1e-3 / 1e12) and y["peak_frac"] == pytest.approx(
+        y["tflops"] * 1e12 / 1e14)
+    assert "tflops" not in rows["m"] and rows["m"]["x_floor"] == pytest.approx(0.5 / by["m"]["floor_ms"])
+    assert g["lost_ms_by_category"]["optimizer"] == pytest.approx(0.5 - by["m"]["floor_ms"])
+    assert [r["op"] for r in g["top"]] == sorted(rows, key=lambda o: -rows[o]["lost_ms"])
+    assert floor_gaps(ops, HLO) == {}  # this CPU: no HBM bandwidth or peak known
