@@ -339,3 +339,65 @@ def test_one_micro_batch_step_equals_accumulated_step():
     np.testing.assert_allclose(out[1][1], out[2][1], rtol=1e-4)
     for a, b in zip(jax.tree.leaves(out[1][2]), jax.tree.leaves(out[2][2])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_cast_only_inputs_follow_calls_scans_and_custom_derivatives():
+    """An input is cast-only when every use converts it to the dtype, also inside jit, scan and
+    custom_vjp functions; one also used at its own dtype, converted elsewhere, or returned is not."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3.steps import cast_only_inputs
+
+    bf = jnp.bfloat16
+
+    @jax.custom_vjp
+    def scaled(w):
+        return w.astype(bf) * 2
+
+    scaled.defvjp(lambda w: (scaled(w), None), lambda _, g: (g.astype(jnp.float32) * 2,))
+
+    def f(a, b, c, d, e, s, g):
+        y = a.astype(bf) + jax.jit(lambda t: t.astype(bf))(b)  # a: direct, b: inside a call
+        y = y + jax.lax.scan(lambda h, x: (h + x.astype(bf), None), jnp.zeros(4, bf), s)[0]  # s: stacked
+        y = y + c.astype(bf) + c  # c: also used in fp32
+        y = y + d.astype(jnp.float16).astype(bf)  # d: converted to another dtype
+        return y + scaled(g), e  # e: returned; g: inside a custom-derivative function
+
+    x = jnp.ones(4, jnp.float32)
+    jaxpr = jax.make_jaxpr(f)(x, x, x, x, x, jnp.ones((3, 4)), x).jaxpr
+    assert cast_only_inputs(jaxpr, bf) == [True, True, False, False, False, True, True]
+    assert cast_only_inputs(jaxpr, jnp.float16) == [False, False, False, True, False, False, False]
+
+
+def test_accumulation_casts_the_weights_once_with_the_same_gradients():
+    """With a bf16 model, `compute_copies` gives the matrices the model only casts (projections,
+    experts) in bf16 and keeps the rest (norm gains, the fp32 router, gate parameters) in fp32; the
+    gradients with respect to the copies are the fp32 weights' gradients before their last convert."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from conftest import tiny_model_cfg
+    from k3.model import Model, cross_entropy
+    from k3.steps import compute_copies
+
+    m = tiny_model_cfg(dtype="bfloat16")
+    graphdef, params, rest = nnx.split(Model(m, rngs=nnx.Rngs(1)), nnx.Param, ...)
+    toks = jax.random.randint(jax.random.key(3), (2, 17), 0, 97)
+
+    def loss(p, r, t):
+        logits, _ = nnx.merge(graphdef, p, r)(t[:, :-1])
+        return cross_entropy(logits, t[:, 1:])
+
+    low = compute_copies(loss, params, rest, toks, dtype=jnp.bfloat16)
+    dtypes = {jax.tree_util.keystr(k): v.dtype for k, v in jax.tree_util.tree_flatten_with_path(low)[0]}
+    casted = {k for k, d in dtypes.items() if d == jnp.bfloat16}
+    assert any("['mixer']['w_q']" in k for k in casted) and any("['ffn']['w_up']" in k for k in casted)
+    assert not any("norm" in k or "router" in k or "A_log" in k for k in casted)
+    assert 0 < len(casted) < len(dtypes)
+    g32 = jax.grad(loss)(params, rest, toks)
+    g16 = jax.grad(loss)(low, rest, toks)
+    for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(g16)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b.astype(jnp.float32)), rtol=1e-6, atol=1e-9)
