@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+import sys
 
 # JAX preallocates 75% of the device memory by default (104 GiB of an H200's 139); a training job
 # that owns the GPU can take more of it.
@@ -108,6 +109,11 @@ def compiled_memory_gib(run, state, batch) -> float | None:
     return total / 2 ** 30
 
 
+def _progress(msg: str) -> None:
+    """A progress line on stderr, flushed: a run stopped by a time limit still shows where it was."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
 def timed_steps(step, state, batch, steps: int):
     """Runs ``step(state, batch) -> (state, out)`` ``steps`` times; (state, last out, seconds per call)."""
     times, out = [], None
@@ -131,14 +137,19 @@ def bench(style, d_model, n_layers, seq_len, batch, steps, remat, sets=(), fit_b
            "attention_impl": ATTENTION.resolve(cfg.model.mla.attention_impl),
            "total_params": counts["total_params"], "active_params": counts["active_params"],
            "tokens_per_step": batch * seq_len, "device": jax.devices()[0].device_kind}
+    name = f"{style}:{d_model}:{n_layers} x {batch * seq_len}"
+    t_start = time.perf_counter()
     run, state = make_run(cfg)
     batch_ = jax.device_put(synthetic_batch(cfg))
+    _progress(f"{name}: state built in {time.perf_counter() - t_start:.1f} s")
     try:
         t0 = time.perf_counter()
         step = run.train_step.lower(state, batch_).compile()  # one compilation for timing and profile
+        _progress(f"{name}: compiled in {time.perf_counter() - t0:.1f} s")
         state, m = step(state, batch_)
         jax.block_until_ready(m)
         row["compile_s"] = time.perf_counter() - t0
+        _progress(f"{name}: first step done {row['compile_s']:.1f} s after compiling started")
         state, m = step(state, batch_)
         jax.block_until_ready(m)
         state, m, times = timed_steps(step, state, batch_, steps)
