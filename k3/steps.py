@@ -157,6 +157,8 @@ def compute_copies(loss_fn, params, *args, dtype) -> Any:
     (7.3 GB per micro-batch for K3 1024:12). Cast once per update here instead; the gradients with
     respect to the copies are those of the fp32 weights before their final convert."""
     leaves, treedef = jax.tree.flatten(params)
+    if all(jnp.dtype(x.dtype) == jnp.dtype(dtype) for x in leaves):
+        return params  # nothing to cast (an fp32 model): skip the extra trace
     closed = jax.make_jaxpr(lambda *ls: loss_fn(jax.tree.unflatten(treedef, ls), *args))(*leaves)
     flags = cast_only_inputs(closed.jaxpr, dtype)
     return jax.tree.unflatten(treedef, [x.astype(dtype) if f else x for x, f in zip(leaves, flags)])
