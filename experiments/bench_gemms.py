@@ -37,7 +37,11 @@ SHAPES = (
 
 
 def mean_seconds(fn, *args, n: int = 20) -> float:
-    """Mean wall time of ``n`` calls of jitted ``fn`` after one compiling call."""
+    """Mean wall time of ``n`` calls of jitted ``fn`` after one compiling call.
+
+    The calls are queued back to back and waited for once (not one by one, as
+    `pallas_kernels.bench_kda.wall_times_ms` does): a 0.07 ms GEMM would otherwise be timed with a
+    host round trip per call."""
     fn = jax.jit(fn)
     jax.block_until_ready(fn(*args))
     t = time.perf_counter()
