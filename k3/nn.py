@@ -67,6 +67,15 @@ def recomputed(residuals):
     return jax.lax.optimization_barrier(residuals)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def sigmoid_gated(x: jax.Array, gate: jax.Array, dtype) -> jax.Array:
+    """x * sigmoid(gate) computed in fp32, returned in ``dtype``: x and gate of one shape [...].
+
+    Under `jax.checkpoint` autodiff keeps x and gate as given (bf16) and recomputes the product in the
+    backward, instead of keeping three fp32 intermediates of x's size that XLA mostly fuses away."""
+    return (x.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) * weight over the last axis: x [..., D], weight [D] -> [..., D] in

@@ -766,6 +766,27 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 # ----------------------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _clamp_gate(g, lower_bound):
+    """g [B, T, H, K] fp32 clamped into [lower_bound, 0], with gradient 1 inside the range, the bounds
+    included (jnp.clip would split it 0.5 at a tie, and g sits exactly at the bound wherever the gate's
+    sigmoid saturates), and 0 outside. The backward keeps one mask: autodiff of nested selects kept
+    both predicates and two fp32 arrays of g's size."""
+    return jnp.minimum(jnp.maximum(g, lower_bound), 0.0)
+
+
+def _clamp_gate_fwd(g, lower_bound):
+    return _clamp_gate(g, lower_bound), (g >= lower_bound) & (g <= 0.0)
+
+
+def _clamp_gate_bwd(lower_bound, inside, dg):
+    del lower_bound
+    return (jnp.where(inside, dg, 0.0),)
+
+
+_clamp_gate.defvjp(_clamp_gate_fwd, _clamp_gate_bwd)
+
+
 def _check_gate_callback(g_min, lower_bound):
     if float(g_min) < lower_bound:
         raise ValueError(f"chunk_kda: the log decay g reaches {float(g_min):.4g}, below lower_bound = "
@@ -800,8 +821,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     if check_gate:
         jax.debug.callback(functools.partial(_check_gate_callback, lower_bound=float(lower_bound)),
                            jnp.min(g))
-    # A select, not jnp.clip: the gradient at g == lower_bound must be 1, not clip's tie-split 0.5.
-    g = jnp.where(g < lower_bound, lower_bound, jnp.where(g > 0.0, 0.0, g))
+    g = _clamp_gate(g, float(lower_bound))
 
     def pad(x, dtype, D):
         x = jnp.asarray(x).astype(dtype)

@@ -212,6 +212,17 @@ def test_gate_below_bound_is_clamped_or_rejected(x64):
     np.testing.assert_array_equal(np.asarray(o_checked), np.asarray(chunk_kda(*map(f32, (q, k, v, g, beta)))[0]))
 
 
+def test_gate_clamp_gradient_is_one_inside_the_bounds_and_zero_outside():
+    """The clamp's custom VJP: gradient 1 on [lower_bound, 0] with both ends included, 0 outside, and
+    a single boolean kept for the backward (autodiff of the selects kept two more fp32 arrays)."""
+    from pallas_kernels.kda import _clamp_gate
+    g = jnp.asarray([-7.0, LB, -2.5, -1e-6, 0.0, 0.5], jnp.float32)
+    y, vjp = jax.vjp(lambda x: _clamp_gate(x, LB), g)
+    np.testing.assert_array_equal(np.asarray(y), np.float32([LB, LB, -2.5, -1e-6, 0.0, 0.0]))
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.arange(1.0, 7.0))[0]), [0.0, 2.0, 3.0, 4.0, 5.0, 0.0])
+    assert [str(x.dtype) for x in jax.tree.leaves(vjp) if hasattr(x, "dtype")] == ["bool"]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(chunk_size=48), "chunk_size"),
     (dict(lower_bound=-20.0), "lower_bound"),

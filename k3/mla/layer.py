@@ -36,7 +36,7 @@ from flax import nnx
 
 from k3.backends import Table
 from k3.mla.parallel import mla_attention_sharded
-from k3.nn import RMSNorm, cast, fuse_inputs, normal, param, project_inputs
+from k3.nn import RMSNorm, cast, fuse_inputs, normal, param, project_inputs, sigmoid_gated
 from k3.sharding import Sharder, spec_axes
 
 ATTENTION = Table("model.mla.attention_impl", default="xla", auto={"gpu": "flash"})
@@ -300,7 +300,7 @@ class MLA(nnx.Module):
                 o = self.attend(q, k, v, segment_ids_BT, self.scale)
         max_logit = max_attention_logit(q, k, segment_ids_BT, self.scale) if return_max_logit else None
         if gate is not None:
-            o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
+            o = sigmoid_gated(o, gate, self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), cast(self.w_o, self.dtype))
         return (y, max_logit) if return_max_logit else y
 
@@ -349,7 +349,7 @@ class MLA(nnx.Module):
         o_lat = self.decode_attend(q_lat, q_rope, c_old, r_old, c_new, r_new, start_B, self.scale)
         o = jnp.einsum("bthr,rhv->bthv", o_lat, w_kb_v)
         if gate is not None:
-            o = o * jax.nn.sigmoid(gate.astype(f32))
+            o = sigmoid_gated(o, gate, dt)
         y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.w_o, dt))
         return y, {"c_kv": c_new, "k_rope": r_new}
 

@@ -146,6 +146,12 @@ def _dispatch_compute_combine(x_NW, idx_Nk, w_gate, w_up, w_down, *, activation,
     return y_sorted[inverse].reshape(N, k, W), dropped
 
 
+def combine_routes(out_NkW: jax.Array, weights_Nk: jax.Array) -> jax.Array:
+    """Each token's routed outputs mixed by its combine weights, in fp32: out [N, k, W] (compute dtype),
+    weights [N, k] fp32 -> [N, W] fp32."""
+    return jnp.einsum("nkw,nk->nw", out_NkW.astype(jnp.float32), weights_Nk)
+
+
 def routed_experts_sharded(sharder: Sharder, h_BTW, idx_BTk, weights_BTk, w_gate_EWF, w_up_EWF, w_down_EFW,
                            *, activation: str, betas, capacity_factor: float = 0.0, stats_fn=None,
                            stats_inputs: tuple = (), dispatch: str = "padded"):
@@ -200,7 +206,7 @@ def routed_experts_sharded(sharder: Sharder, h_BTW, idx_BTk, weights_BTk, w_gate
         if f_axes:
             out = jax.lax.psum(out, f_axes)
         out = checkpoint_name(out, EXPERT_PRODUCTS)
-        y = jnp.einsum("nkw,nk->nw", out.astype(jnp.float32), wts.reshape(b * t, k))
+        y = combine_routes(out, wts.reshape(b * t, k))
         extra_N = tuple(a.reshape((b * t,) + a.shape[2:]) for a in extra)
         stats = stats_fn(idx_Nk, *extra_N) if stats_fn is not None else {}
         summed = (dropped, stats)

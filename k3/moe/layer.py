@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k3.moe import balancing
 from k3.backends import Table, platform
-from k3.moe.expert_parallel import routed_experts_sharded
+from k3.moe.expert_parallel import combine_routes, routed_experts_sharded
 from k3.ffn import EXPERT_PRODUCTS, GLUMLP, glu_activation, glu_parts_output
 from k3.nn import RMSNorm, cast, normal, param
 from k3.sharding import Sharder
@@ -263,7 +263,7 @@ class MoE(nnx.Module):
                     out_NkL, dropped = self.experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas,
                                                     self.expert_capacity)
             stats["dropped"] = dropped.astype(jnp.float32)
-            y = jnp.einsum("nkl,nk->nl", out_NkL.astype(jnp.float32), weights)
+            y = combine_routes(out_NkL, weights)
         y = y.astype(self.dtype)
         if self.w_up_latent is not None:
             y = self.latent_norm(y) @ cast(self.w_up_latent, self.dtype)
