@@ -112,10 +112,11 @@ class GLUMLP(nnx.Module):
 
 def glu_bytes(a: int) -> float:
     """Bytes a gated FFN keeps for its backward per hidden element, at ``a`` compute-dtype bytes:
-    gate and up, which `glu_activation`'s VJP saves (it recomputes the activation from them). On the
-    H200 this VJP cut K2 1024:12's measured peak from 60.7 to 45.6 GiB at 32K tokens without remat
+    gate and up, which `glu_activation`'s VJP saves (it recomputes the activation's derivative from
+    them), and the activation's output, which the down projection's weight gradient reads. On the
+    H200 that VJP cut K2 1024:12's measured peak from 60.7 to 45.6 GiB at 32K tokens without remat
     (BENCHMARKS.md), autodiff having kept about 18 bytes per hidden element (SwiGLU; 22 for SiTU)."""
-    return 2.0 * a
+    return 3.0 * a
 
 
 def dense_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:

@@ -23,17 +23,16 @@ Per-device bytes (1 GB = 1e9 bytes):
                optim.grad_accum = A > 1 the step adds each micro-batch's gradients into one running
                sum: 2 x bytes(params).
   optimizer transient  Muon's Newton-Schulz working set during the update (`muon_work`); the update
-               runs after the backward, so the total counts the larger of it and the activations.
+               runs after the backward, so the total counts the larger of it and the activations
+               (each with the gradients alive beside it).
   activations  an ESTIMATE of the peak, see `activation_estimate` and `layer_residual_bytes`. What a
                layer keeps for its backward comes from its mechanisms' formulas (`k3.kda.cost`,
-               `k3.mla.cost`, `k3.moe.cost`, `k3.ffn`, `k3.attn_res`), whose per-element constants
-               (*_BYTES) come from XLA's buffer assignment (CPU backend, JAX 0.10.2) for single
-               layers of this codebase at reduced width: the growth of the compiled gradient's
-               temporary bytes from 1 to 3 stacked copies of the layer, split over the tensors that
-               scale it. They fold in the fp32 copies JAX saves for norms, gates and activations,
-               and what XLA's fusion removes again; another backend's fusion will differ somewhat.
-               KDA's constants are instead fitted to the residuals JAX traces for the layer
-               (`k3.kda.cost.KDA_LAYER_BYTES`, `KDA_CHUNK_FIT`), per core and conv backend.
+               `k3.mla.cost`, `k3.moe.cost`, `k3.ffn`, `k3.attn_res`). The KDA, MLA and MoE formulas
+               follow the residuals JAX traces for the layer (tests in `tests/test_plan.py` hold each
+               within 2%), less the MoE's two fp32 copies that the compiled steps do not hold;
+               XLA's softmax scores (`k3.mla.cost.MLA_SCORE_BYTES`) are measured. Compiled for the
+               H200 (`experiments.aot_report`), K2 and K3 1024:12 plan within 3% of XLA's buffer
+               assignment without remat (32K and 64K tokens) and within 4% under K3's remat policies.
 
 Collective bytes sent per device per step (ring algorithms: all-gather and reduce-scatter of an array
 of S bytes over n devices send S (n-1)/n, all-reduce 2 S (n-1)/n, all-to-all of an S-byte buffer
@@ -43,7 +42,10 @@ of devices inside one node runs at the intra-node rate, a group spanning nodes a
 (all-to-all: its cross-node share at the inter-node rate). Compute time = k3.params' 'full' FLOPs
 (x 4/3 with remat: the forward runs twice) / (peak * MFU), plus the Newton-Schulz FLOPs of one Muon
 update / (peak * MFU), which do not overlap the model's. Verdict: FITS when parameters + optimizer +
-gradients + max(activations, optimizer transient) <= device memory * (1 - headroom).
+the larger of (activations + the gradients alive at their peak) and (gradients + optimizer transient)
+<= device memory * (1 - headroom). With remat the gradients made so far sit under each recomputed
+group's working set; without it the backward frees each layer's residuals as it makes that layer's
+gradients, so the activations' peak holds only the running sum of gradient accumulation.
 
 ``--suggest --devices=N`` plans every mesh over (data, fsdp, expert | n_experts, context=1, tensor in
 {1, 2, 4, 8}) at one sequence per device per micro-batch (or ``--batch``) and ranks the fitting ones
@@ -874,6 +876,11 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     pb = param_bytes(mdl.infos, sh, shards)
     ob = optimizer_bytes(mdl.opt_leaves, mdl.infos, sh, shards)
     grads = pb["total"] * (1 if accum == 1 else 2)
+    # Without remat the backward frees each layer's residuals as it makes that layer's gradients, so
+    # the activations' peak (at the turn from forward to backward) does not hold this micro-batch's
+    # gradients; it holds the running sum under accumulation. With remat each recomputed group's
+    # working set comes on top of the gradients made so far.
+    grads_at_peak = grads if remat else grads - pb["total"]
     gbuf = gather_buffer_bytes(mdl.infos, comm_info, a, repeats)
     casts = (sum(pb["per_param"][p.name] * a / np.dtype(p.dtype).itemsize for p in mdl.infos)
              if remat and m.remat_policy in SAVES_WEIGHT_CASTS else 0.0)
@@ -882,7 +889,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
     ns = (muon_work(mdl.infos, shards, np.dtype(cfg.optim.mu_dtype).itemsize) if cfg.optim.name == "muon"
           else {"flops": 0.0, "transient": 0.0, "largest": 0.0})
     # The update runs after the backward has freed the activations: the larger of the two peaks counts.
-    total = pb["total"] + ob["total"] + grads + max(act["peak"], ns["transient"]) + rest
+    total = pb["total"] + ob["total"] + rest + max(grads_at_peak + act["peak"], grads + ns["transient"])
     usable = dev.memory_bytes * (1 - headroom)
 
     comm = collective_estimate(cfg, mdl.infos, sh, lay, remat, dev, comm_info)
@@ -920,7 +927,7 @@ def plan(mdl: PlanInputs, sizes: Mapping[str, int], device: Device | str, *, bat
         notes.append("no parameter is sharded over context: every context rank holds the full FSDP shard; "
                      f"--config.mesh.rule_overrides={context_fsdp_overrides(cfg.mesh.rule_overrides)} "
                      "would shard them (ZeRO over the context ranks too)")
-    if ns["transient"] > act["peak"]:
+    if grads + ns["transient"] > grads_at_peak + act["peak"]:
         notes.append(f"the optimizer update's transient ({ns['transient'] / GB:.1f} GB) decides the total, not the "
                      f"activations ({act['peak'] / GB:.1f} GB): it counts every matrix's Newton-Schulz in flight at "
                      "once (the H200 compile of K2 1024:12's update keeps 0.27 of that); the largest single parameter's "

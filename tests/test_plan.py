@@ -13,9 +13,10 @@ from conftest import tiny_model_cfg
 
 from k3 import plan as P
 from k3.config import default_config
-from k3.mla.cost import MLA_SCORE_BYTES
+from k3.mla.cost import ATTENTION_CORE_BYTES, MLA_SCORE_BYTES, mla_residual_bytes, mla_scores
 from k3.kda.cost import kda_residual_bytes
-from k3.moe.cost import expert_product_bytes
+from k3.kda.layer import KDA
+from k3.moe.cost import expert_product_bytes, moe_fp32_copy_bytes, moe_residual_bytes
 from k3.optim import param_dimension_numbers
 from k3.params import count_params
 
@@ -167,9 +168,11 @@ def test_plan_follows_the_kernels_the_platform_runs():
 
     c = _cfg()
     n_mla = sum(m == "mla" for m, _ in P.layer_kinds(c.model))
-    scores = n_mla * 2 * c.model.mla.n_heads * 256 * 256
-    assert kept("xla") - kept("auto") == pytest.approx(scores * MLA_SCORE_BYTES)
-    assert kept("auto") == kept("flash") == kept("cudnn")
+    H, dqk, dv = c.model.mla.n_heads, c.model.mla.qk_nope_dim + c.model.mla.qk_rope_dim, c.model.mla.v_head_dim
+    scores = n_mla * 2 * H * 256 * 256
+    cores = {impl: n_mla * ATTENTION_CORE_BYTES[impl](2 * 256, H, dqk, dv, 4, 4) for impl in ("xla", "flash")}
+    assert kept("xla") - kept("auto") == pytest.approx(scores * MLA_SCORE_BYTES + cores["xla"] - cores["flash"])
+    assert kept("auto") == kept("flash") != kept("cudnn")
     assert kept("auto", "tpu-v5p") == kept("xla", "tpu-v5p") > kept("xla")  # and the jnp KDA core there
     with pytest.raises(P.PlanError, match="attention_impl='cudnn' runs only on gpu"):
         kept("cudnn", "tpu-v5p")
@@ -226,21 +229,25 @@ def test_kept_kda_inputs_are_what_the_traced_step_keeps():
             == P.saved_residual_bytes(cfg("dots_kernels_glu"), 2, 32, platform="cpu"))
 
 
-def _traced_kda_residuals(cfg, batch: int, seq: int, platform: str) -> float:
-    """Bytes of one KDA layer's VJP residuals for a bf16 input [batch, seq, D], less the compute-dtype
-    copies of its parameters (the planner counts those as kept weights)."""
+def _output(layer, x, seg):
+    # MoE takes no segments and returns (y, statistics).
+    return layer(x)[0] if hasattr(layer, "route") else layer(x, seg)
+
+
+def _traced_layer_residuals(layer_cls, cfg, batch: int, seq: int, platform: str) -> float:
+    """Bytes of one ``layer_cls`` layer's VJP residuals for a bf16 input [batch, seq, D], less the
+    compute-dtype copies of its parameters (the planner counts those as kept weights)."""
     from flax import nnx
 
     from k3 import backends
-    from k3.kda.layer import KDA
 
     def residuals():
-        layer = KDA(cfg.model, rngs=nnx.Rngs(0))
+        layer = layer_cls(cfg.model, rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
         x = jnp.zeros((batch, seq, cfg.model.d_model), jnp.bfloat16)
         seg = jnp.ones((batch, seq), jnp.int32)
         ids = {id(a) for a in jax.tree.leaves(params)}
-        vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x, seg), params, x)[1]
+        vjp = jax.vjp(lambda p, x: _output(nnx.merge(graphdef, p, rest), x, seg), params, x)[1]
         return [a for a in jax.tree.leaves(vjp) if id(a) not in ids and hasattr(a, "dtype")], params
 
     with backends.targeting(platform):
@@ -259,11 +266,57 @@ def test_kda_residuals_are_what_the_traced_layer_keeps(platform, conv):
         c.model = tiny_model_cfg(dtype="bfloat16", d_model=64, **{"kda.n_heads": heads, "kda.head_dim": head_dim,
                                                                 "kda.chunk_size": chunk, "kda.conv_impl": conv})
         batch, seq = 2, 64
-        traced = _traced_kda_residuals(c, batch, seq, platform)
+        traced = _traced_layer_residuals(KDA, c, batch, seq, platform)
         lay = P.make_layout(c, P.plan_sharder(ONE), batch, seq, platform=platform)
         assert (lay.kda_core, lay.kda_conv) == ("pallas" if platform == "gpu" else "chunk", conv)
         planned = kda_residual_bytes(c.model, lay, 2, False)[0]["kda"]
         assert planned == pytest.approx(traced, rel=0.02), (heads, head_dim, chunk, planned, traced)
+
+
+@pytest.mark.parametrize("impl", ["flash", "xla"])
+def test_mla_residuals_are_what_the_traced_layer_keeps(impl):
+    """The planner's MLA layer bytes (`k3.mla.cost.mla_residual_bytes`) within 2% of the residuals JAX
+    traces for the layer on a GPU's flash kernel and on XLA's softmax, with and without RoPE, the
+    output gate and the query latent, at head widths that pad (d_v = 24) and that do not. XLA's scores
+    are set apart: the trace keeps 11 bytes per score (mask, fp32 logits and exp, bf16 probabilities),
+    the planner the 16 measured on the GPU (MLA_SCORE_BYTES)."""
+    from k3.mla.layer import MLA
+
+    for (rope, gate, rq), (H, dn, dr, dv, rkv) in zip(
+            [(True, False, 40), (False, True, 40), (True, True, 0)], [(3, 32, 16, 32, 56), (4, 16, 8, 24, 16),
+                                                                        (2, 40, 8, 16, 24)]):
+        c = default_config()
+        c.model = tiny_model_cfg(dtype="bfloat16", d_model=96, **{
+            "mla.n_heads": H, "mla.qk_nope_dim": dn, "mla.qk_rope_dim": dr, "mla.v_head_dim": dv,
+            "mla.q_lora_rank": rq, "mla.kv_lora_rank": rkv, "mla.attention_impl": impl, "mla.output_gate": gate,
+            "mla.use_rope": rope})
+        batch, seq = 2, 64
+        traced = _traced_layer_residuals(MLA, c, batch, seq, "gpu")
+        lay = P.make_layout(c, P.plan_sharder(ONE), batch, seq, platform="gpu")
+        planned = mla_residual_bytes(c.model, lay, 2, False)[0]["mla"]
+        if impl == "xla":
+            scores = mla_scores(c.model, lay)
+            planned, traced = planned - scores * MLA_SCORE_BYTES, traced - scores * 11
+        assert planned == pytest.approx(traced, rel=0.02), (impl, rope, gate, rq, planned, traced)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_moe_residuals_are_what_the_traced_layer_keeps(platform):
+    """The planner's MoE layer bytes (`k3.moe.cost.moe_residual_bytes`) within 2% of the residuals JAX
+    traces for the layer once the fp32 copies it leaves out (`moe_fp32_copy_bytes`) are added back:
+    capacity experts (GPU) and ragged ones (CPU), with and without the latent and the shared expert,
+    SiTU-GLU and SwiGLU."""
+    from k3.moe.layer import MoE
+
+    for E, k, F, W, Fs, act in ((8, 2, 16, 16, 24, "situ"), (16, 4, 32, 0, 0, "swiglu"), (8, 3, 24, 32, 16, "swiglu")):
+        c = default_config()
+        c.model = tiny_model_cfg(dtype="bfloat16", d_model=64, activation=act, **{
+            "moe.n_experts": E, "moe.top_k": k, "moe.expert_dim": F, "moe.latent_dim": W, "moe.shared_dim": Fs})
+        batch, seq = 2, 64
+        traced = _traced_layer_residuals(MoE, c, batch, seq, platform)
+        lay = P.make_layout(c, P.plan_sharder(ONE), batch, seq, platform=platform)
+        planned = moe_residual_bytes(c.model, lay, 2, False)[0]["moe"] + moe_fp32_copy_bytes(c.model, lay)
+        assert planned == pytest.approx(traced, rel=0.02), (platform, E, k, F, W, Fs, act, planned, traced)
 
 
 def test_kept_expert_products_are_what_the_traced_step_keeps():

@@ -13,9 +13,10 @@ compute-dtype bytes ``a``; fp32 values count f = 4 bytes.
 
 from __future__ import annotations
 
+from pallas_kernels.common import pow2_at_least_16
+
 # Bytes per element of the named tensor, measured as the `k3.plan` docstring describes.
 MLA_SCORE_BYTES = 16.0  # per attention score [B, H, T, S]: fp32 logits, exp, bf16 probabilities, mask
-MLA_LATENT_BYTES = 7.0  # per element of the q/kv latents (q_lora + kv_lora + rope) and their norms
 
 
 def mla_flops(mla_cfg, seq_len: int, n_layers: int = 1) -> int:
@@ -32,20 +33,43 @@ def mla_scores(m, lay) -> int:
     return lay.micro * (m.mla.n_heads // lay.mla_heads_div) * lay.t * lay.seq
 
 
+def _flash_core(N, H, dqk, dv, a, f):
+    # Its inputs padded to powers of two (q, k to P(d_qk), v to P(d_v)), its output and log-sum-exp,
+    # three int32 document indices per token; the output sliced back to d_v when that pads.
+    sliced = N * H * dv * a if pow2_at_least_16(dv) > dv else 0
+    return N * H * (2 * pow2_at_least_16(dqk) + 2 * pow2_at_least_16(dv)) * a + N * H * f + 12 * N + sliced
+
+
+def _sdpa_core(N, H, dqk, dv, a, f):
+    # jax.nn.dot_product_attention's inputs with v padded to d_qk, two fp32 row terms per query and
+    # head, and the output as the layer reads it (XLA's softmax adds its scores, counted apart).
+    return N * H * 3 * dqk * a + 2 * N * H * f + N * H * dv * a
+
+
+# The attention core's residuals besides the scores, per `k3.mla.layer.ATTENTION` entry:
+# (N tokens, H heads, d_qk, d_v, a, f) -> bytes. 'cudnn' and 'pallas' take the sdpa layout too;
+# their kernels' own saved statistics cannot be traced without a GPU.
+ATTENTION_CORE_BYTES = {"flash": _flash_core, "xla": _sdpa_core, "cudnn": _sdpa_core, "pallas": _sdpa_core}
+
+
 def mla_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     """Bytes one MLA layer keeps for its backward pass, per device, and its largest transient:
     ({'mla': bytes}, transient bytes).
 
     m: the model config; lay: the planner's layout; a: compute-dtype bytes; qk_clip: optim.qk_clip.
-    N local tokens (b sequences of t), S the full sequence, H heads per device:
-      b H t S MLA_SCORE                  XLA softmax attention (jax.nn.dot_product_attention without
-                                         an implementation is the XLA path; the context-parallel path
-                                         materialises the same scores); the fused kernels keep only
-                                         the output and its log-sum-exp
-      + N H ((5 d_qk + d_n + d_v) a + f + d_v (2 a + f))   q, kv up-projection, concatenated q and k,
-                                         v padded to d_qk, output, output gate
-      + N (r_q + r_kv + d_r) MLA_LATENT  latent projections and their norms
+    N local tokens (b sequences of t), S the full sequence, H heads per device, r_q, r_kv the latent
+    ranks, d_r the rope width:
+      N D a                              the layer's input
+      N r_q 2a + N f, N r_kv 2a + N f    each latent and its RMSNorm's output and inverse RMS (the
+                                         query latent only with q_lora_rank > 0)
+      2 N d_r f                          RoPE's cos and sin for q and k (with use_rope)
+      2 N H d_v a                        the output gate's logits and the gated output (with the gate)
+      the core's own residuals           `ATTENTION_CORE_BYTES` of the attention entry
+      b H t S MLA_SCORE                  XLA's softmax keeps its scores (the context-parallel path
+                                         materialises the same); the fused kernels do not
       context > 1: + the gathered k, v: b S H (d_qk + d_v) a
+    Within 2% of the residuals JAX traces for the layer on the flash and XLA paths
+    (`tests/test_plan.py::test_mla_residuals_are_what_the_traced_layer_keeps`).
     transient: the backward's score gradient, 8 b H t S, or QK-Clip's second score pass (fp32
     logits and mask, 9 b H t S); with a fused kernel QK-Clip's 5 b H t S, plus cuDNN's [b, 1, t, S]
     bool document mask.
@@ -54,16 +78,20 @@ def mla_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     N = lay.tokens
     q = m.mla
     H = q.n_heads // lay.mla_heads_div
-    dqk = q.qk_nope_dim + q.qk_rope_dim
+    dqk, dv = q.qk_nope_dim + q.qk_rope_dim, q.v_head_dim
     scores = mla_scores(m, lay)
-    # XLA's softmax keeps the scores for the backward; the fused kernels keep only the output and
-    # its log-sum-exp (counted below), and cuDNN takes the documents as a [B, 1, T, S] bool mask.
     fused = lay.attention != "xla"
     mla = 0.0 if fused else scores * MLA_SCORE_BYTES
-    mla += N * H * ((5 * dqk + q.qk_nope_dim + q.v_head_dim) * a + f + q.v_head_dim * (2 * a + f))
-    mla += N * (q.q_lora_rank + q.kv_lora_rank + q.qk_rope_dim) * MLA_LATENT_BYTES
+    mla += N * m.d_model * a + N * q.kv_lora_rank * 2 * a + N * f
+    if q.q_lora_rank > 0:
+        mla += N * q.q_lora_rank * 2 * a + N * f
+    if q.use_rope:
+        mla += 2 * N * q.qk_rope_dim * f
+    if q.output_gate:
+        mla += 2 * N * H * dv * a
+    mla += ATTENTION_CORE_BYTES[lay.attention](N, H, dqk, dv, a, f)
     if lay.cp > 1:
-        mla += lay.micro * lay.seq * H * (dqk + q.v_head_dim) * a
+        mla += lay.micro * lay.seq * H * (dqk + dv) * a
     if not fused:
         transient = scores * (9 if qk_clip else 8)
     else:  # QK-Clip's separate logit pass materialises fp32 scores and their mask whatever the kernel

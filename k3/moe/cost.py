@@ -18,7 +18,6 @@ import math
 
 from k3.ffn import glu_bytes
 from k3.moe.layer import expert_capacity
-from k3.nn import norm_bytes
 
 
 def moe_dispatch(moe_cfg) -> str:
@@ -44,10 +43,16 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     m: the model config; lay: the planner's layout; a: compute-dtype bytes. N local tokens, D =
     d_model, W = latent width (D without a latent), F_e, F_s the routed and shared hidden widths per
     device, E experts, k = top_k, GLU = `k3.ffn.glu_bytes`:
-      router: fp32 input copy N D f + scores 2 N E f; latent input N W a and its norm
-      N W (NORM + a); expert side R (W a + F_e GLU), R = P C rows received (P = expert shards, C =
-      `moe_dispatch_rows`; without expert parallelism R = N k); routed outputs home N k W (a + f);
-      shared expert N F_s GLU; output N D a.
+      the input N D a (with a latent or shared expert, whose weight gradients read it); router
+      scores N E f; expert side R (W a + F_e GLU), R = P C rows received (P = expert shards, C =
+      `moe_dispatch_rows`; without expert parallelism `expert_rows`); the latent up-projection's
+      norm, its input and output N W 2a + N f; shared expert N F_s GLU; routing indices and combine
+      weights 8 R + 16 N k + 2 N f.
+    Autodiff also keeps fp32 copies of the router's input and of the routed outputs for the combine,
+    `moe_fp32_copy_bytes`; the compiled steps do not hold them (left out, K2 and K3 1024:12 without
+    remat plan within 3% of XLA's buffer assignment for the H200 at 32K and 64K tokens; with them,
+    3-9 GiB over). With them the formula is within 2% of what JAX traces for the layer
+    (`tests/test_plan.py::test_moe_residuals_are_what_the_traced_layer_keeps`).
     transient: the all-to-all's send and receive buffers, (R + R) W a padded or (N k + R) W a
     ragged (the sorted routes are sent as they are); 0 without expert parallelism. ``qk_clip`` is
     MLA's setting (the planner's per-layer formulas share one signature).
@@ -59,11 +64,13 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     e = m.moe
     W = e.latent_dim if e.latent_dim > 0 else D
     Fe = e.expert_dim // lay.expert_mlp_div
-    R = lay.P * lay.C if lay.P > 1 else N * e.top_k
-    moe = N * D * f + 2 * N * e.n_experts * f + R * (W * a + Fe * glu) + N * e.top_k * W * (a + f)
-    moe += N * D * a
+    R = expert_rows(m, lay)
+    moe = N * e.n_experts * f + R * (W * a + Fe * glu)
+    if e.latent_dim > 0 or e.shared_dim > 0:
+        moe += N * D * a
+    moe += 8 * R + 16 * N * e.top_k + 2 * N * f
     if e.latent_dim > 0:
-        moe += N * W * a + N * W * (norm_bytes(a) + a)
+        moe += N * W * 2 * a + N * f
     if e.shared_dim > 0:
         moe += N * (e.shared_dim // lay.shared_div) * glu
     transient = 0
@@ -73,6 +80,14 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     return {"moe": moe}, transient
 
 
+def moe_fp32_copy_bytes(m, lay) -> float:
+    """Bytes of the fp32 copies autodiff keeps in one MoE layer that `moe_residual_bytes` leaves out,
+    per device: the router's input N D f and the routed outputs for the combine N k W f."""
+    e = m.moe
+    W = e.latent_dim if e.latent_dim > 0 else m.d_model
+    return float(lay.tokens * (m.d_model + e.top_k * W) * 4)
+
+
 def expert_product_bytes(m, lay, a: int) -> float:
     """Bytes of one MoE layer's named expert products (`k3.ffn.EXPERT_PRODUCTS`), per device, which a
     remat policy in `k3.model.SAVES_EXPERT_PRODUCTS` keeps across the whole forward: the gate and up
@@ -80,15 +95,19 @@ def expert_product_bytes(m, lay, a: int) -> float:
     'capacity' backend, C = `k3.moe.layer.expert_capacity`; else the N k routes), and the combined
     outputs N k W a."""
     e = m.moe
-    N = lay.tokens
     W = e.latent_dim if e.latent_dim > 0 else m.d_model
+    return float(expert_rows(m, lay) * 2 * (e.expert_dim // lay.expert_mlp_div) * a + lay.tokens * e.top_k * W * a)
+
+
+def expert_rows(m, lay) -> int:
+    """Rows one device's routed experts run per micro-batch: P C received with expert parallelism,
+    E C with the 'capacity' backend (C = `k3.moe.layer.expert_capacity`), else the N k routes."""
+    e = m.moe
     if lay.P > 1:
-        R = lay.P * lay.C
-    elif lay.experts == "capacity":
-        R = e.n_experts * expert_capacity(N * e.top_k, e.n_experts, e.expert_capacity)
-    else:
-        R = N * e.top_k
-    return float(R * 2 * (e.expert_dim // lay.expert_mlp_div) * a + N * e.top_k * W * a)
+        return lay.P * lay.C
+    if lay.experts == "capacity":
+        return e.n_experts * expert_capacity(lay.tokens * e.top_k, e.n_experts, e.expert_capacity)
+    return lay.tokens * e.top_k
 
 
 def moe_all_to_all_bytes(m, lay, a: int, passes: int) -> float:
