@@ -297,7 +297,9 @@ def floor_gaps(ops: dict, hlo_text: str, n: int = 40, hbm_bytes_per_s: float = 0
     matched; else 'matched_ms' (the traced time joined to a floor), 'floor_ms', 'lost_ms_by_category'
     (measured minus floor, summed per category), and 'top': the ``n`` kernels that lose most, each
     with op, kernel, category, ms, calls, floor_ms, lost_ms, x_floor, and the TFLOP/s and peak fraction
-    of the matmuls (a GEMM's shape is in the HLO under its op name).
+    of the matmuls (a GEMM's shape is in the HLO under its op name); 'below': the ``n`` kernels that ran
+    furthest under their floor, which no kernel can: their byte or FLOP count is wrong (an operand
+    charged whole that the kernel reads in part, say), so they name what the floors overstate.
     """
     from experiments.aot_report import kernel_floors
     from k3.hardware import device_hbm_bandwidth, device_peak_flops
@@ -322,8 +324,9 @@ def floor_gaps(ops: dict, hlo_text: str, n: int = 40, hbm_bytes_per_s: float = 0
     if not rows:
         return {}
     rows.sort(key=lambda r: -r["lost_ms"])
+    below = [r for r in reversed(rows) if r["lost_ms"] < 0][:n]
     return {"matched_ms": sum(r["ms"] for r in rows), "floor_ms": sum(r["floor_ms"] for r in rows),
-            "lost_ms_by_category": dict(lost.most_common()), "top": rows[:n]}
+            "lost_ms_by_category": dict(lost.most_common()), "top": rows[:n], "below": below}
 
 
 _NOT_FUSIONS = ("dense matmuls", "expert matmuls", "fp32 matmuls")
@@ -392,10 +395,18 @@ def print_breakdown(res: dict) -> None:
               "lost per category: " + ", ".join(f"{c} {ms:.1f}" for c, ms in gaps["lost_ms_by_category"].items()))
         print("  kernels losing most (ms/step, floor, x floor, peak fraction of a matmul, category, op, kernel):")
         for r in gaps["top"][:15]:
-            pk = f"{r['peak_frac']:.0%}" if "peak_frac" in r else "-"
-            xf = f"{r['x_floor']:.1f}x" if r["x_floor"] else "-"
-            print(f"    {r['ms']:>8.2f} {r['floor_ms']:>7.2f} {xf:>7} {pk:>5}  {r['category']:<18} {r['op'][:28]:<28} "
-                  f"{r['kernel'][:40]}")
+            _print_gap(r)
+        if gaps.get("below"):
+            print("  kernels under their floor (the floor's bytes or FLOPs overstated; same columns):")
+            for r in gaps["below"][:8]:
+                _print_gap(r)
+
+
+def _print_gap(r: dict) -> None:
+    pk = f"{r['peak_frac']:.0%}" if "peak_frac" in r else "-"
+    xf = f"{r['x_floor']:.1f}x" if r["x_floor"] else "-"
+    print(f"    {r['ms']:>8.2f} {r['floor_ms']:>7.2f} {xf:>7} {pk:>5}  {r['category']:<18} {r['op'][:28]:<28} "
+          f"{r['kernel'][:40]}")
 
 
 def main():

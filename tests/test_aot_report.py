@@ -142,4 +142,9 @@ def test_floor_gaps_set_each_traced_op_against_its_floor():
     assert "tflops" not in rows["m"] and rows["m"]["x_floor"] == pytest.approx(0.5 / by["m"]["floor_ms"])
     assert g["lost_ms_by_category"]["optimizer"] == pytest.approx(0.5 - by["m"]["floor_ms"])
     assert [r["op"] for r in g["top"]] == sorted(rows, key=lambda o: -rows[o]["lost_ms"])
+    assert [r["op"] for r in g["below"]] == [o for o in sorted(rows, key=lambda o: rows[o]["lost_ms"])
+                                             if rows[o]["lost_ms"] < 0]
+    fast = floor_gaps(dict(ops, y=[1e-6, 4.0, "nvjet_sm90_tst", "dense matmuls"]), HLO, hbm_bytes_per_s=1e12,
+                      peak_flops=1e14)
+    assert [r["op"] for r in fast["below"]][:1] == ["y"] and fast["below"][0]["x_floor"] < 1
     assert floor_gaps(ops, HLO) == {}  # this CPU: no HBM bandwidth or peak known

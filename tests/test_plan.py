@@ -16,7 +16,7 @@ from k3.config import default_config
 from k3.mla.cost import ATTENTION_CORE_BYTES, MLA_SCORE_BYTES, mla_residual_bytes, mla_scores
 from k3.kda.cost import kda_residual_bytes
 from k3.kda.layer import KDA
-from k3.moe.cost import expert_product_bytes, moe_fp32_copy_bytes, moe_residual_bytes
+from k3.moe.cost import expert_product_bytes, moe_residual_bytes, moe_traced_extra_bytes
 from k3.optim import param_dimension_numbers
 from k3.params import count_params
 
@@ -303,7 +303,7 @@ def test_mla_residuals_are_what_the_traced_layer_keeps(impl):
 @pytest.mark.parametrize("platform", ["gpu", "cpu"])
 def test_moe_residuals_are_what_the_traced_layer_keeps(platform):
     """The planner's MoE layer bytes (`k3.moe.cost.moe_residual_bytes`) within 2% of the residuals JAX
-    traces for the layer once the fp32 copies it leaves out (`moe_fp32_copy_bytes`) are added back:
+    traces for the layer once the trace's own difference (`moe_traced_extra_bytes`) is added back:
     capacity experts (GPU) and ragged ones (CPU), with and without the latent and the shared expert,
     SiTU-GLU and SwiGLU."""
     from k3.moe.layer import MoE
@@ -315,7 +315,7 @@ def test_moe_residuals_are_what_the_traced_layer_keeps(platform):
         batch, seq = 2, 64
         traced = _traced_layer_residuals(MoE, c, batch, seq, platform)
         lay = P.make_layout(c, P.plan_sharder(ONE), batch, seq, platform=platform)
-        planned = moe_residual_bytes(c.model, lay, 2, False)[0]["moe"] + moe_fp32_copy_bytes(c.model, lay)
+        planned = moe_residual_bytes(c.model, lay, 2, False)[0]["moe"] + moe_traced_extra_bytes(c.model, lay, 2)
         assert planned == pytest.approx(traced, rel=0.02), (platform, E, k, F, W, Fs, act, planned, traced)
 
 

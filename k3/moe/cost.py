@@ -44,14 +44,14 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     d_model, W = latent width (D without a latent), F_e, F_s the routed and shared hidden widths per
     device, E experts, k = top_k, GLU = `k3.ffn.glu_bytes`:
       the input N D a (with a latent or shared expert, whose weight gradients read it); router
-      scores N E f; expert side R (W a + F_e GLU), R = P C rows received (P = expert shards, C =
-      `moe_dispatch_rows`; without expert parallelism `expert_rows`); the latent up-projection's
-      norm, its input and output N W 2a + N f; shared expert N F_s GLU; routing indices and combine
-      weights 8 R + 16 N k + 2 N f.
-    Autodiff also keeps fp32 copies of the router's input and of the routed outputs for the combine,
-    `moe_fp32_copy_bytes`; the compiled steps do not hold them (left out, K2 and K3 1024:12 without
-    remat plan within 3% of XLA's buffer assignment for the H200 at 32K and 64K tokens; with them,
-    3-9 GiB over). With them the formula is within 2% of what JAX traces for the layer
+      scores N E f; expert side R (2 W a + F_e GLU), R = P C rows received (P = expert shards, C =
+      `moe_dispatch_rows`; without expert parallelism `expert_rows`): each row's input and output
+      and its hidden activations; the latent up-projection's norm, its input and output
+      N W 2a + N f; shared expert N F_s GLU; routing indices and combine weights 8 R + 16 N k + 2 N f.
+    This is what the compiled step holds (XLA's buffer assignment for the H200 keeps the experts'
+    bf16 output rows, from which the combine gathers). Autodiff's trace instead keeps fp32 copies of
+    the router's input and of the gathered outputs [N, k, W] (`moe_traced_extra_bytes`); with that
+    difference the formula is within 2% of the traced layer
     (`tests/test_plan.py::test_moe_residuals_are_what_the_traced_layer_keeps`).
     transient: the all-to-all's send and receive buffers, (R + R) W a padded or (N k + R) W a
     ragged (the sorted routes are sent as they are); 0 without expert parallelism. ``qk_clip`` is
@@ -65,7 +65,7 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     W = e.latent_dim if e.latent_dim > 0 else D
     Fe = e.expert_dim // lay.expert_mlp_div
     R = expert_rows(m, lay)
-    moe = N * e.n_experts * f + R * (W * a + Fe * glu)
+    moe = N * e.n_experts * f + R * (2 * W * a + Fe * glu)
     if e.latent_dim > 0 or e.shared_dim > 0:
         moe += N * D * a
     moe += 8 * R + 16 * N * e.top_k + 2 * N * f
@@ -80,12 +80,13 @@ def moe_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
     return {"moe": moe}, transient
 
 
-def moe_fp32_copy_bytes(m, lay) -> float:
-    """Bytes of the fp32 copies autodiff keeps in one MoE layer that `moe_residual_bytes` leaves out,
-    per device: the router's input N D f and the routed outputs for the combine N k W f."""
+def moe_traced_extra_bytes(m, lay, a: int) -> float:
+    """Bytes the residuals JAX traces for one MoE layer hold beyond `moe_residual_bytes`, per device:
+    the fp32 copies of the router's input N D f and of the gathered routed outputs N k W f, less the
+    experts' bf16 output rows R W a that the compiled step keeps in their place."""
     e = m.moe
     W = e.latent_dim if e.latent_dim > 0 else m.d_model
-    return float(lay.tokens * (m.d_model + e.top_k * W) * 4)
+    return float(lay.tokens * (m.d_model + e.top_k * W) * 4 - expert_rows(m, lay) * W * a)
 
 
 def expert_product_bytes(m, lay, a: int) -> float:
