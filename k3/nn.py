@@ -7,6 +7,7 @@ Every parameter carries logical axis names in its ``out_sharding`` metadata (``e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -65,6 +66,66 @@ def recomputed(residuals):
     traffic the recomputation was meant to avoid: for SiTU-GLU's experts in K3 1024:12, two fp32
     copies of every [E, C, F] hidden (BENCHMARKS.md)."""
     return jax.lax.optimization_barrier(residuals)
+
+
+def _einsum_terms(eq: str) -> tuple[str, str, str]:
+    """(x, w, y) index strings of a two-operand einsum 'x,w->y' whose every index appears in at least
+    two of the three (no index summed within one operand), so both transposes are einsums too."""
+    ins, _, y = eq.replace(" ", "").partition("->")
+    x, _, w = ins.partition(",")
+    if not (y and x and w) or "." in eq or any((c in x) + (c in w) + (c in y) < 2 for c in set(x + w + y)):
+        raise ValueError(f"weight_einsum: {eq!r} must be 'x,w->y' with every index in two of the three terms")
+    return x, w, y
+
+
+_FP32_WEIGHT_GRADS: list[bool] = []
+
+
+@contextlib.contextmanager
+def fp32_weight_grads():
+    """Inside (while tracing), `weight_einsum` returns its weight gradient in fp32 straight from the
+    GEMM. The train step enters it under gradient accumulation (`k3.steps`)."""
+    _FP32_WEIGHT_GRADS.append(True)
+    try:
+        yield
+    finally:
+        _FP32_WEIGHT_GRADS.pop()
+
+
+def weight_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """jnp.einsum(eq, x, w) for a weight w, e.g. 'ecd,edf->ecf': x [E, C, D], w [E, D, F] -> [E, C, F].
+
+    Inside `fp32_weight_grads` its gradient with respect to w comes out of the GEMM in fp32 (float64
+    for float64 weights) whatever w's dtype, and x's in x's dtype. Why: under gradient accumulation
+    the step adds each micro-batch's gradients into an fp32 sum. A bf16 weight gradient is written,
+    read back, converted and added (12 bytes per parameter and micro-batch); an fp32 one lets XLA
+    fold the add into the GEMM (8 bytes) and rounds nothing. Without accumulation the bf16 gradient
+    moves fewer bytes, so outside the context this is the plain einsum."""
+    if _FP32_WEIGHT_GRADS:
+        _einsum_terms(eq)
+        return _fp32_grad_einsum(eq, x, w)
+    return jnp.einsum(eq, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp32_grad_einsum(eq, x, w):
+    # The weight's cotangent dtype differs from a bf16 w's, which JAX's custom VJPs accept.
+    return jnp.einsum(eq, x, w)
+
+
+def _weight_einsum_fwd(eq, x, w):
+    return jnp.einsum(eq, x, w), (x, w)
+
+
+def _weight_einsum_bwd(eq, res, dy):
+    x, w = res
+    xs, ws, ys = _einsum_terms(eq)
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w).astype(x.dtype)
+    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, dy, preferred_element_type=jnp.promote_types(w.dtype, jnp.float32))
+    return dx, dw
+
+
+_fp32_grad_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2,))

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from k3 import optim, sharding
+from k3 import nn, optim, sharding
 from k3.moe.balancing import BALANCERS
 from k3.model import Model, apply_qk_clip, cross_entropy, update_router_biases
 
@@ -238,7 +238,8 @@ def make_run(cfg) -> tuple[Run, dict]:
                                  dtype=jnp.dtype(cfg.model.dtype))
 
             def one(grad_sum, mb):
-                (loss, aux), grads = grad_fn(low, rest, mb)
+                with nn.fp32_weight_grads():  # the GEMMs add their weight gradients into the sum
+                    (loss, aux), grads = grad_fn(low, rest, mb)
                 # Summed in the carry, in the parameters' dtype: one gradient buffer whatever the
                 # number of micro-batches.
                 return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), (loss, aux)

@@ -438,3 +438,49 @@ def test_rms_norm_bf16_gradients_keep_dtypes_and_follow_float32():
     rx, rw = ref_vjp(dy.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(dx, np.float32), rx, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(dw, rw, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("eq, x_shape, w_shape", [("ecd,edf->ecf", (3, 5, 7), (3, 7, 6)),
+                                                  ("btd,df->btf", (2, 9, 5), (5, 11)),
+                                                  ("ecf,efd->ecd", (2, 13, 4), (2, 4, 3))])
+def test_weight_einsum_gradients_match_the_einsum_float64(x64, eq, x_shape, w_shape):
+    """`k3.nn.weight_einsum` inside `fp32_weight_grads`: values and both gradients equal autodiff of
+    jnp.einsum in float64 (its weight gradient keeps float64), at shapes of no tile size."""
+    from k3.nn import fp32_weight_grads, weight_einsum
+
+    kx, kw, ky = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, x_shape, jnp.float64)
+    w = jax.random.normal(kw, w_shape, jnp.float64)
+    y0 = jnp.einsum(eq, x, w)
+    ct = jax.random.normal(ky, y0.shape, jnp.float64)
+    with fp32_weight_grads():
+        y, vjp = jax.vjp(lambda x, w: weight_einsum(eq, x, w), x, w)
+    ref = jax.vjp(lambda x, w: jnp.einsum(eq, x, w), x, w)[1](ct)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y0), rtol=1e-12)
+    for got, want in zip(vjp(ct), ref):
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
+
+
+def test_weight_einsum_bf16_weight_gradient_in_fp32_only_inside_the_context():
+    """With bf16 operands the weight gradient is fp32 (unrounded: nearer the float32 product than the
+    bf16 one) inside `fp32_weight_grads`, bf16 outside; x's gradient stays bf16. A term summed within
+    one operand is refused by name."""
+    from k3.nn import fp32_weight_grads, weight_einsum
+
+    kx, kw, ky = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(kx, (4, 37, 24), jnp.float32)
+    w = jax.random.normal(kw, (4, 24, 40), jnp.float32)
+    ct = jax.random.normal(ky, (4, 37, 40), jnp.float32)
+    eq = "ecd,edf->ecf"
+    xb, wb, cb = (a.astype(jnp.bfloat16) for a in (x, w, ct))
+    with fp32_weight_grads():
+        dx, dw = jax.vjp(lambda x, w: weight_einsum(eq, x, w), xb, wb)[1](cb)
+    plain_dx, plain_dw = jax.vjp(lambda x, w: weight_einsum(eq, x, w), xb, wb)[1](cb)
+    assert (dx.dtype, dw.dtype, plain_dx.dtype, plain_dw.dtype) == (jnp.bfloat16, jnp.float32, jnp.bfloat16,
+                                                                      jnp.bfloat16)
+    ref = jax.vjp(lambda w: jnp.einsum(eq, xb.astype(jnp.float32), w), w)[1](cb.astype(jnp.float32))[0]
+    err = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32) - ref)))  # noqa: E731
+    assert err(dw) < 1e-5 < err(plain_dw)
+    with fp32_weight_grads(), pytest.raises(ValueError, match="every index in two of the three"):
+        weight_einsum("ab,bc->a", x[0], w[0])

@@ -329,7 +329,9 @@ def test_one_micro_batch_step_equals_accumulated_step():
     out = {}
     for accum in (1, 2):
         c = default_config()
-        c.model = tiny_model_cfg()
+        # Capacity experts (with room for every route) run `weight_einsum`'s fp32 weight gradients
+        # under accumulation.
+        c.model = tiny_model_cfg(**{"moe.expert_impl": "capacity", "moe.expert_capacity": 8.0})
         c.data.seq_len, c.data.batch_size = 16, 4
         c.optim.grad_accum = accum
         run, state = make_run(c)
@@ -339,6 +341,56 @@ def test_one_micro_batch_step_equals_accumulated_step():
     np.testing.assert_allclose(out[1][1], out[2][1], rtol=1e-4)
     for a, b in zip(jax.tree.leaves(out[1][2]), jax.tree.leaves(out[2][2])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def _bf16_model_with_copies(seed: int, T: int, **overrides):
+    """(model config, loss(params, rest, tokens), fp32 params, rest, tokens [2, T], the params with
+    their cast-only leaves in bf16 (`compute_copies`)) of a tiny bf16 model."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from conftest import tiny_model_cfg
+    from k3.model import Model, cross_entropy
+    from k3.steps import compute_copies
+
+    m = tiny_model_cfg(dtype="bfloat16", **overrides)
+    graphdef, params, rest = nnx.split(Model(m, rngs=nnx.Rngs(seed)), nnx.Param, ...)
+    toks = jax.random.randint(jax.random.key(seed + 3), (2, T), 0, 97)
+
+    def loss(p, r, t):
+        logits, _ = nnx.merge(graphdef, p, r)(t[:, :-1])
+        return cross_entropy(logits, t[:, 1:])
+
+    return m, loss, params, rest, toks, compute_copies(loss, params, rest, toks, dtype=jnp.bfloat16)
+
+
+def test_accumulation_takes_the_experts_weight_gradients_in_fp32():
+    """Under `k3.nn.fp32_weight_grads` (the accumulating step's micro-batches) the bf16 expert copies'
+    gradients come out of their GEMMs in fp32; the other gradients keep their dtypes, and every
+    gradient equals the plain one up to the plain one's bf16 rounding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3.config import layer_kinds
+    from k3.nn import fp32_weight_grads
+
+    m, loss, _, rest, toks, low = _bf16_model_with_copies(2, 21, **{"moe.expert_impl": "capacity"})
+    plain = jax.jit(jax.grad(loss))(low, rest, toks)
+    with fp32_weight_grads():
+        fp32 = jax.jit(jax.grad(loss))(low, rest, toks)
+    experts = 0
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(plain)[0], jax.tree.leaves(fp32)):
+        name = jax.tree_util.keystr(path)
+        if a.ndim == 3 and any(f"['ffn']['{w}']" in name for w in ("w_gate", "w_up", "w_down")):  # [E, ., .]
+            experts += 1
+            assert (a.dtype, b.dtype) == (jnp.bfloat16, jnp.float32), name
+        else:
+            assert a.dtype == b.dtype, name
+        scale = float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-12
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2 * scale)
+    assert experts == 3 * sum(1 for _, f in layer_kinds(m) if f == "moe")
 
 
 def test_cast_only_inputs_follow_calls_scans_and_custom_derivatives():
@@ -377,21 +429,8 @@ def test_accumulation_casts_the_weights_once_with_the_same_gradients():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
-    from conftest import tiny_model_cfg
-    from k3.model import Model, cross_entropy
-    from k3.steps import compute_copies
-
-    m = tiny_model_cfg(dtype="bfloat16")
-    graphdef, params, rest = nnx.split(Model(m, rngs=nnx.Rngs(1)), nnx.Param, ...)
-    toks = jax.random.randint(jax.random.key(3), (2, 17), 0, 97)
-
-    def loss(p, r, t):
-        logits, _ = nnx.merge(graphdef, p, r)(t[:, :-1])
-        return cross_entropy(logits, t[:, 1:])
-
-    low = compute_copies(loss, params, rest, toks, dtype=jnp.bfloat16)
+    _, loss, params, rest, toks, low = _bf16_model_with_copies(1, 17)
     dtypes = {jax.tree_util.keystr(k): v.dtype for k, v in jax.tree_util.tree_flatten_with_path(low)[0]}
     casted = {k for k, d in dtypes.items() if d == jnp.bfloat16}
     assert any("['mixer']['w_q']" in k for k in casted) and any("['ffn']['w_up']" in k for k in casted)

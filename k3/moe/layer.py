@@ -41,7 +41,7 @@ from k3.moe import balancing
 from k3.backends import Table, platform
 from k3.moe.expert_parallel import combine_routes, routed_experts_sharded
 from k3.ffn import EXPERT_PRODUCTS, GLUMLP, glu_activation, glu_parts_output
-from k3.nn import RMSNorm, cast, normal, param
+from k3.nn import RMSNorm, cast, normal, param, weight_einsum
 from k3.sharding import Sharder
 
 
@@ -139,9 +139,9 @@ def capacity_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation,
     slot, route_of_slot = capacity_slots(idx_Nk, E, C)
     # Dispatch: slot s reads token route_of_slot[s] // k (N: empty); token n feeds slots slot[n, :].
     xs = gather_rows(x_ND, route_of_slot // k, slot.reshape(N, k)).reshape(E, C, -1)
-    gate = checkpoint_name(jnp.einsum("ecd,edf->ecf", xs, w_gate_EDF), EXPERT_PRODUCTS)
-    up = checkpoint_name(jnp.einsum("ecd,edf->ecf", xs, w_up_EDF), EXPERT_PRODUCTS)
-    out = jnp.einsum("ecf,efd->ecd", glu_activation(gate, up, activation, *betas), w_down_EFD)
+    gate = checkpoint_name(weight_einsum("ecd,edf->ecf", xs, w_gate_EDF), EXPERT_PRODUCTS)
+    up = checkpoint_name(weight_einsum("ecd,edf->ecf", xs, w_up_EDF), EXPERT_PRODUCTS)
+    out = weight_einsum("ecf,efd->ecd", glu_activation(gate, up, activation, *betas), w_down_EFD)
     # Combine: route r reads slot[r] (E*C: dropped); slot s feeds route route_of_slot[s] (N k: none).
     y = gather_rows(out.reshape(E * C, -1), slot, route_of_slot[:, None])
     dropped = jnp.sum(slot == E * C).astype(jnp.int32)
