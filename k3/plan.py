@@ -1006,7 +1006,8 @@ def format_plan(p: dict) -> str:
         row(f"parameters ({p['param_dtype']}, sharded)", mem["params"]),
         row("optimizer state", mem["optimizer"], f"   (Muon momentum {mem['optimizer_muon'] / GB:.2f}, "
                                                  f"AdamW moments {mem['optimizer_adam'] / GB:.2f})"),
-        row("gradients", mem["gradients"]),
+        row("gradients", mem["gradients"], "" if p["remat"] else
+            "   (without remat made as the backward frees the activations; only an accumulation's sum adds to them)"),
         row("activations (estimate)", mem["activations"]),
         row("  saved layer inputs (scan carries, unrolled)", at["carries"]),
         row("  unrematerialised layers' residuals", at["kept_layers"]),
