@@ -46,3 +46,18 @@ def test_gemm_bench_rows_flops_and_json(tmp_path, monkeypatch):
     assert r["fwd_tflops"] == pytest.approx(2 * 64 * 32 * 16 / (r["fwd_ms"] * 1e-3) / 1e12)
     assert r["bwd_peak_frac"] == pytest.approx(r["bwd_tflops"] * 1e12 / 1e12)
     assert json.loads(out.read_text())["rows"][1]["name"] == "expert"
+
+
+def test_gemm_bench_accumulate_times_both_ways(monkeypatch):
+    """`bench_gemms --accumulate=M`: the expert shapes only, each with the old and the new summed
+    weight gradient per micro-batch, their peak fractions and the speed-up between them."""
+    from experiments import bench_gemms
+
+    monkeypatch.setattr(bench_gemms, "SHAPES", (("dense", "nd,df->nf", (64, 32), (32, 16)),
+                                                 ("expert", "ecd,edf->ecf", (2, 8, 16), (2, 16, 8))))
+    monkeypatch.setattr(bench_gemms, "device_peak_flops", lambda: 1e12)
+    rows = bench_gemms.main(["--accumulate=3"])
+    assert [r["name"] for r in rows] == ["expert"] and rows[0]["micro_batches"] == 3
+    r = rows[0]
+    assert r["speedup"] == pytest.approx(r["old_ms"] / r["new_ms"])
+    assert r["new_peak_frac"] == pytest.approx(2 * 2 * 8 * 16 * 8 / (r["new_ms"] * 1e-3) / 1e12)
