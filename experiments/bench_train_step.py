@@ -225,7 +225,13 @@ def main():
     p.add_argument("--fit_batches", default="", help="comma-separated batch sizes to compile-check for memory")
     p.add_argument("--profile_dir", default="", help="also trace 2 steps there and print the time breakdown")
     p.add_argument("--json", default="")
+    p.add_argument("--compile_cache", default="",
+                   help="persistent XLA compilation cache directory: a rerun of a model skips its compiles")
     a = p.parse_args()
+    if a.compile_cache:
+        from k3.backends import use_compile_cache
+
+        use_compile_cache(a.compile_cache)
     fit = [int(b) for b in a.fit_batches.split(",") if b]
     rows = []
     for spec in a.models.split(","):

@@ -651,9 +651,9 @@ def main(argv=None) -> int:
     if a.dry_run or not todo:
         return 0
     if a.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", a.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        from k3.backends import use_compile_cache
+
+        use_compile_cache(a.compile_cache)
     from k3.data import DataError
     from k3.data.pipeline import prepare_data
     from k3.steps import RunError

@@ -15,6 +15,8 @@ from launch import cli, distributed
 
 cli.define_config_flag("config", "experiments/configs/k3_tiny.py", "config file")
 flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, tokenizer", required=True)
+flags.DEFINE_string("compile_cache", None, "persistent XLA compilation cache directory: a restarted or "
+                    "resumed run reuses the programs compiled before")
 
 
 def main(argv):
@@ -26,6 +28,11 @@ def main(argv):
     except ValueError as e:
         cli.fail(str(e))
     from k3.train import RunError, train  # after the backend is configured
+
+    if flags.FLAGS.compile_cache:
+        from k3.backends import use_compile_cache
+
+        use_compile_cache(flags.FLAGS.compile_cache)
 
     try:
         last = train(flags.FLAGS.config, flags.FLAGS.workdir)

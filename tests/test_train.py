@@ -440,3 +440,37 @@ def test_accumulation_casts_the_weights_once_with_the_same_gradients():
     g16 = jax.grad(loss)(low, rest, toks)
     for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(g16)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b.astype(jnp.float32)), rtol=1e-6, atol=1e-9)
+
+
+def test_init_compiler_options_change_no_value():
+    """The GPU initialiser's compiler options (`k3.steps.INIT_COMPILER_OPTIONS`, here compiled for the
+    CPU under `backends.targeting('gpu')`) draw the same parameters as the plain compile."""
+    import jax
+    import numpy as np
+
+    from conftest import tiny_model_cfg
+    from k3 import backends
+    from k3.config import default_config
+    from k3.steps import INIT_COMPILER_OPTIONS, init_model
+
+    assert INIT_COMPILER_OPTIONS["gpu"]
+    cfg = default_config()
+    cfg.model = tiny_model_cfg(dtype="float32")
+    _, plain, _ = init_model(cfg)
+    with backends.targeting("gpu"):
+        _, gpu_opts, _ = init_model(cfg)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(gpu_opts), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_use_compile_cache_writes_the_programs_there(tmp_path):
+    """`k3.backends.use_compile_cache` keeps even a quickly compiled program on disk (a fresh process:
+    JAX opens its persistent cache once per process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    code = ("import jax, jax.numpy as jnp; from k3.backends import use_compile_cache; "
+            f"use_compile_cache({str(tmp_path)!r}); print(jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).sum())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "35.0"
+    assert any(tmp_path.iterdir()), "nothing was written to the cache directory"
