@@ -25,8 +25,11 @@ are all written). Files copied in from other machines (``points_*.jsonl``) count
 results of several GPU jobs merge in one directory.
 
 One compiled step per (arm, size): the learning rate is a run-time scalar (``optim.schedule=
-'external'``), so branches, seeds and learning-rate multipliers reuse it (and the persistent
-compilation cache, ``--compile_cache``, carries it across processes).
+'external'``), so branches, seeds and learning-rate multipliers reuse it, through the persistent
+compilation cache (``--compile_cache``; by default JAX's own, else ``DIR/compile_cache``).
+While a run trains, a background thread compiles the next run's programs into that cache (the
+initialiser, the optimizer's init, the train and eval steps), so on a GPU, where each (arm, size)
+takes a minute or more to compile, compiling overlaps training (``--no_compile_ahead`` turns it off).
 
 Jobs: 'main' (seed 0, the rule's learning rate, with branches), 'seeds' (``extra_seeds`` at the
 ``seed_sizes`` smallest sizes: the noise estimate), 'repeats' (``repeats`` more runs of seed 0 at
@@ -42,6 +45,7 @@ its own fitted rule; the sweep then brackets that arm's own rate.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import itertools
 import json
@@ -49,6 +53,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -391,11 +396,10 @@ class _Kill(Exception):
 def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[int] | None = None) -> list[dict]:
     """Trains one run (resuming from its checkpoints) and appends its missing points; returns them."""
     import jax
-    import jax.numpy as jnp
 
     from k3.data.pipeline import TrainIterator, ValSource
     from k3.hardware import device_peak_flops
-    from k3.checkpoints import abstract_like, checkpoint_manager, restore_checkpoint, save_checkpoint
+    from k3.checkpoints import abstract_like, checkpoint_manager, copy_tree, restore_checkpoint, save_checkpoint
     from k3.optim import wsd_lr
     from k3.model import resolve_layer_loop
     from k3.steps import evaluate, make_run, to_host
@@ -512,7 +516,7 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
                 step = bs
             elif step > bs:
                 state = restore(bs)
-            main_state = jax.tree.map(jnp.copy, state)  # train_step donates its input
+            main_state = copy_tree(state)  # train_step donates its input
             data_pos = train_iter.get_state()
             branch = advance(state, bs, es, bs, es, save=False)
             written.append(record(branch, name, es * ladder.seq_len * ladder.batch_size, False))
@@ -531,6 +535,117 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
     if all((run["run_id"], p) in done for p in point_names(run)):
         shutil.rmtree(rundir, ignore_errors=True)
     return written
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling ahead
+
+
+def compile_run_programs(run: dict, ladder) -> None:
+    """Compiles ``run``'s programs as `train_run` will call them, running nothing: the initialiser,
+    the optimizer's init, the train step (with the learning rate `wsd_lr` returns) and the eval step,
+    on [batch_size, seq_len] batches. With a persistent compilation cache on, the run then loads them.
+    Single-device runs only: on a mesh the batch's shardings would have to match too (a LadderError)."""
+    import jax
+    import numpy as np
+
+    from k3.checkpoints import copy_tree
+    from k3.model import resolve_layer_loop
+    from k3.optim import wsd_lr
+    from k3.steps import init_program, make_run
+
+    cfg = copy.deepcopy(run["cfg"])
+    resolve_layer_loop(cfg)
+    held = {}
+
+    def build():
+        held["job"], state = make_run(cfg)
+        return state
+
+    state = jax.eval_shape(build)
+    job = held["job"]
+    if job.sharder is not None:
+        raise LadderError("compiling ahead needs a single-device run")
+    init_program(cfg)[1].lower().compile()
+    jax.jit(job.tx.init).lower(state["params"]).compile()
+    if "lr" in state:  # the type `train_run`'s jitted wsd_lr gives it (Python scalars in, as there)
+        state["lr"] = jax.eval_shape(jax.jit(wsd_lr), 0, float(run["lr"]), 1, 1, 2, float(ladder.min_lr_ratio))
+    B, T = ladder.batch_size, ladder.seq_len
+    batch = {"inputs": jax.ShapeDtypeStruct((B, T), np.int32), "targets": jax.ShapeDtypeStruct((B, T), np.int32),
+             "segment_ids": jax.ShapeDtypeStruct((B, T), np.int32),
+             "loss_mask": jax.ShapeDtypeStruct((B, T), np.float32)}
+    job.train_step.lower(state, batch).compile()
+    job.eval_step.lower(state, batch).compile()
+    copy_tree.lower(state).compile()  # checkpoints and branch starts
+
+
+class CompileAhead:
+    """Compiles runs' programs (`compile_run_programs`) on background threads, one run at a time in
+    the order they are submitted; runs of the same arm, size and seed share one compile. A failure
+    is reported by `wait`, and the run then compiles its programs itself. Daemon threads: a process
+    that stops at its deadline does not wait for a compile it no longer needs."""
+
+    def __init__(self, ladder):
+        self._ladder = ladder
+        self._done: dict[tuple, threading.Event] = {}
+        self._errors: dict[tuple, str] = {}
+        self._last: threading.Event | None = None
+
+    @staticmethod
+    def key(run: dict) -> tuple:
+        return run["arm"], run["size"], run["seed"]
+
+    def submit(self, run: dict) -> None:
+        """Queues ``run``'s compile behind the one submitted before (no-op if already submitted)."""
+        key = self.key(run)
+        if key in self._done:
+            return
+        done, before = threading.Event(), self._last
+        self._done[key], self._last = done, done
+
+        def work():
+            if before is not None:
+                before.wait()
+            try:
+                compile_run_programs(run, self._ladder)
+            except Exception as e:  # noqa: BLE001 - reported by `wait`; the run compiles itself
+                self._errors[key] = f"{type(e).__name__}: {e}"
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"compile-ahead {run['run_id']}", daemon=True).start()
+
+    def wait(self, run: dict) -> str | None:
+        """Blocks until ``run``'s compile (if submitted) is over; returns its failure, if any."""
+        done = self._done.get(self.key(run))
+        if done is not None:
+            done.wait()
+        return self._errors.get(self.key(run))
+
+
+class CacheCounter:
+    """Counts the main thread's persistent-cache hits and misses (`jax.monitoring` events)."""
+
+    def __init__(self):
+        import jax
+
+        self.hits = self.misses = 0
+        main = threading.main_thread()
+
+        def listen(event, **_):
+            if threading.current_thread() is main:
+                if event == "/jax/compilation_cache/cache_hits":
+                    self.hits += 1
+                elif event == "/jax/compilation_cache/cache_misses":
+                    self.misses += 1
+
+        jax.monitoring.register_event_listener(listen)
+
+    def take(self) -> tuple[int, int]:
+        """(hits, misses) since the last call."""
+        out = (self.hits, self.misses)
+        self.hits = self.misses = 0
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +715,10 @@ def main(argv=None) -> int:
     p.add_argument("--deadline_s", type=float, default=0,
                    help="start no new run after this many seconds, nor one its arm's last speed (this process's, "
                         "else the largest run recorded on this kind of device) says would pass it")
-    p.add_argument("--compile_cache", default="", help="persistent XLA compilation cache directory")
+    p.add_argument("--compile_cache", default="",
+                   help="persistent XLA compilation cache directory (default: JAX's own, else OUT/compile_cache)")
+    p.add_argument("--no_compile_ahead", action="store_true",
+                   help="do not compile the next run's programs while a run trains")
     p.add_argument("--dry_run", action="store_true", help="print the plan and exit")
     p.add_argument("--estimate_on", default="",
                    help="device kind whose recorded speeds estimate each run's time (default: this process's), "
@@ -650,10 +768,10 @@ def main(argv=None) -> int:
               f"evaluation not included; {len(todo) - len(known)} runs without an estimate)")
     if a.dry_run or not todo:
         return 0
-    if a.compile_cache:
-        from k3.backends import use_compile_cache
+    from k3.backends import use_compile_cache
 
-        use_compile_cache(a.compile_cache)
+    if a.compile_cache or not jax.config.jax_compilation_cache_dir:
+        use_compile_cache(a.compile_cache or str(out / "compile_cache"))
     from k3.data import DataError
     from k3.data.pipeline import prepare_data
     from k3.steps import RunError
@@ -674,7 +792,9 @@ def main(argv=None) -> int:
               f"{ladder.data.vocab_size}", file=sys.stderr)
         return 2
     kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
-    for r in todo:
+    ahead = None if a.no_compile_ahead else CompileAhead(ladder)
+    cache = CacheCounter()
+    for i, r in enumerate(todo):
         elapsed = time.perf_counter() - t_start
         if a.deadline_s and elapsed > a.deadline_s:
             print(f"deadline: {a.deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
@@ -684,8 +804,18 @@ def main(argv=None) -> int:
             print(f"deadline: {r['run_id']} would need about {flops / speed[r['arm']]:.0f}s; skipped (rerun to resume)")
             continue
         print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e}", flush=True)
+        if ahead is not None:
+            ahead.submit(r)
+            failed = ahead.wait(r)
+            if failed:
+                print(f"  compiling ahead failed ({failed[:300]}); the run compiles its programs itself")
+            if i + 1 < len(todo):
+                ahead.submit(todo[i + 1])
+        cache.take()
         try:
             recs = train_run(r, ladder, data, out, done, kill)
+            hits, misses = cache.take()
+            print(f"  programs: {hits} from the compilation cache, {misses} compiled", flush=True)
             if recs and recs[-1]["tokens_per_s"]:
                 speed[r["arm"]] = recs[-1]["tokens_per_s"] * r["flops_per_token"]["full"]
         except _Kill:

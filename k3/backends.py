@@ -17,6 +17,7 @@ names the setting and the portable fallback, raised before anything is traced.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 import jax
@@ -26,13 +27,19 @@ class BackendError(ValueError):
     """A backend that does not exist, or that cannot run on this platform."""
 
 
-_TARGET: list[str] = []  # set by `targeting`: the platform being compiled for, when not this process's
+# Set by `targeting`, per thread: the platform being compiled for, when not this process's.
+_CONTEXT = threading.local()
+
+
+def _targets() -> list[str]:
+    return _CONTEXT.__dict__.setdefault("targets", [])
 
 
 def platform() -> str:
     """'gpu', 'tpu' or 'cpu': the platform being compiled for (`targeting`), else the default JAX backend."""
-    if _TARGET:
-        return _TARGET[-1]
+    targets = _targets()
+    if targets:
+        return targets[-1]
     backend = jax.default_backend()
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
@@ -52,11 +59,11 @@ def targeting(where: str):
     backend, e.g. to compile a GPU step ahead of time on a CPU host (`experiments.aot_report`)."""
     if where not in ("gpu", "tpu", "cpu"):
         raise BackendError(f"unknown platform {where!r}; expected 'gpu', 'tpu' or 'cpu'")
-    _TARGET.append(where)
+    _targets().append(where)
     try:
         yield
     finally:
-        _TARGET.pop()
+        _targets().pop()
 
 
 class Table:

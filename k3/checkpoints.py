@@ -148,6 +148,13 @@ def checkpoint_manager(cfg, workdir: Path):
     return ocp.CheckpointManager((workdir / "checkpoints").absolute(), options=options)
 
 
+@jax.jit
+def copy_tree(tree):
+    """A private copy of every array of ``tree``, as one program: ``jnp.copy`` leaf by leaf would
+    compile one program per distinct shape (each a GPU compile of its own)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 def save_checkpoint(mngr, state: dict, data_state: dict, cfg) -> None:
     """Saves the train state and the data iterator position at ``state['step']``."""
     import orbax.checkpoint as ocp
@@ -156,7 +163,7 @@ def save_checkpoint(mngr, state: dict, data_state: dict, cfg) -> None:
     meta = {"data": data_state, "step": step, "config": json.loads(cfg.to_json())}
     # The next train step donates ``state``; an async save may still be reading it (on CPU the host
     # "copy" can alias the device buffer), so save a private copy.
-    state = jax.tree.map(jnp.copy, state)
+    state = copy_tree(state)
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 

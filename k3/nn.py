@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -78,18 +79,22 @@ def _einsum_terms(eq: str) -> tuple[str, str, str]:
     return x, w, y
 
 
-_FP32_WEIGHT_GRADS: list[bool] = []
+_CONTEXT = threading.local()  # per thread: another thread may be tracing another step meanwhile
+
+
+def _fp32_weight_grads_stack() -> list[bool]:
+    return _CONTEXT.__dict__.setdefault("fp32_weight_grads", [])
 
 
 @contextlib.contextmanager
 def fp32_weight_grads():
     """Inside (while tracing), `weight_einsum` returns its weight gradient in fp32 straight from the
     GEMM. The train step enters it under gradient accumulation (`k3.steps`)."""
-    _FP32_WEIGHT_GRADS.append(True)
+    _fp32_weight_grads_stack().append(True)
     try:
         yield
     finally:
-        _FP32_WEIGHT_GRADS.pop()
+        _fp32_weight_grads_stack().pop()
 
 
 def weight_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -101,7 +106,7 @@ def weight_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     read back, converted and added (12 bytes per parameter and micro-batch); an fp32 one lets XLA
     fold the add into the GEMM (8 bytes) and rounds nothing. Without accumulation the bf16 gradient
     moves fewer bytes, so outside the context this is the plain einsum."""
-    if _FP32_WEIGHT_GRADS:
+    if _fp32_weight_grads_stack():
         _einsum_terms(eq)
         return _fp32_grad_einsum(eq, x, w)
     return jnp.einsum(eq, x, w)

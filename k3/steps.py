@@ -95,12 +95,9 @@ def make_sharder(cfg) -> sharding.Sharder | None:
 INIT_COMPILER_OPTIONS = {"gpu": {"xla_disable_hlo_passes": "multi_output_fusion"}}
 
 
-def init_model(cfg, sharder: sharding.Sharder | None = None):
-    """(graphdef, params, rest) of a freshly initialised model, built inside one ``jax.jit``.
-
-    Eager construction would compile one small XLA program per parameter shape. With a sharder the
-    parameters are created directly in their sharded layout (never whole on one device).
-    """
+def init_program(cfg, sharder: sharding.Sharder | None = None):
+    """(graphdef, jitted initialiser) of `init_model`, nothing run: calling the initialiser returns
+    (params, rest); ``.lower().compile()`` compiles it ahead (`experiments.run_ladder`)."""
     def build():
         return Model(cfg.model, rngs=nnx.Rngs(cfg.seed), track_max_logit=cfg.optim.qk_clip, sharder=sharder)
 
@@ -108,8 +105,19 @@ def init_model(cfg, sharder: sharding.Sharder | None = None):
     out_shardings = None
     if sharder is not None:
         out_shardings = (sharding.state_shardings(abs_params, sharder), sharding.state_shardings(abs_rest, sharder))
-    params, rest = jax.jit(lambda: tuple(nnx.split(build(), nnx.Param, ...)[1:]), out_shardings=out_shardings,
-                           compiler_options=INIT_COMPILER_OPTIONS.get(backends.platform()))()
+    fn = jax.jit(lambda: tuple(nnx.split(build(), nnx.Param, ...)[1:]), out_shardings=out_shardings,
+                 compiler_options=INIT_COMPILER_OPTIONS.get(backends.platform()))
+    return graphdef, fn
+
+
+def init_model(cfg, sharder: sharding.Sharder | None = None):
+    """(graphdef, params, rest) of a freshly initialised model, built inside one ``jax.jit``.
+
+    Eager construction would compile one small XLA program per parameter shape. With a sharder the
+    parameters are created directly in their sharded layout (never whole on one device).
+    """
+    graphdef, fn = init_program(cfg, sharder)
+    params, rest = fn()
     return graphdef, params, rest
 
 

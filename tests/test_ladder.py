@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -292,7 +293,7 @@ def test_external_learning_rate_equals_wsd_schedule():
 def test_resume_after_kill_reproduces_uninterrupted_points(tmp_path):
     """A run killed before its branch and one killed between branch and final give the same points."""
     common = [f"--ladder={MICRO}", "--arms=k2", "--sizes=32x2", "--jobs=main"]
-    ref = _cli(*common, f"--out={tmp_path}/ref")
+    ref = _cli(*common, f"--out={tmp_path}/ref", "--no_compile_ahead")  # the kills compile ahead: same points
     assert ref.returncode == 0, ref.stderr[-2000:]
     want = _points(tmp_path / "ref")
     assert set(want) == {("k2-32x2-s0-lr1", "branch_0.5"), ("k2-32x2-s0-lr1", "final")}
@@ -309,6 +310,25 @@ def test_resume_after_kill_reproduces_uninterrupted_points(tmp_path):
             assert got[key]["val_loss"] == pytest.approx(want[key]["val_loss"], rel=1e-5), (kill, key)
             assert got[key]["tokens"] == want[key]["tokens"]
         assert not (out / "runs" / "k2-32x2-s0-lr1").exists()  # checkpoints go once the run is done
+
+
+@pytest.mark.slow
+def test_next_run_finds_its_programs_compiled_ahead(tmp_path):
+    """While a run trains, the next run's programs are compiled into the persistent cache: with an
+    empty cache, the second size (other shapes) compiles nothing itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    p = subprocess.run([sys.executable, "-m", "experiments.run_ladder", f"--ladder={MICRO}", "--arms=k2",
+                        "--sizes=32x2,64x2", "--jobs=main", f"--out={tmp_path}/out"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "out" / "compile_cache").is_dir()  # the default cache: under --out
+    counts = [tuple(map(int, m.groups())) for m in re.finditer(r"programs: (\d+) from the compilation cache, "
+                                                                 r"(\d+) compiled", p.stdout)]
+    assert len(counts) == 2, p.stdout
+    hits, compiled = counts[1]
+    assert compiled == 0 and hits >= 4, counts
 
 
 @pytest.mark.slow
