@@ -32,6 +32,31 @@ def test_table_resolves_auto_per_platform_and_names_the_setting():
         t.register("slow")(lambda: None)
 
 
+def test_tracing_contexts_belong_to_their_thread():
+    """`targeting` and `fp32_weight_grads` hold in the thread that entered them only: the ladder runner
+    traces the next run's step on a background thread while the main thread traces its own."""
+    import threading
+
+    from k3 import backends, nn
+
+    here = backends.platform()
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with backends.targeting("tpu"), nn.fp32_weight_grads():
+            seen["inside"] = (backends.platform(), bool(nn._fp32_weight_grads_stack()))
+            entered.set()
+            release.wait(30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(30)
+    assert backends.platform() == here and not nn._fp32_weight_grads_stack()
+    release.set()
+    t.join()
+    assert seen["inside"] == ("tpu", True)
+
+
 def test_default_tables_pick_the_fast_paths_on_gpu_and_references_elsewhere():
     assert KDA_CORES.resolve("auto", "gpu") == "pallas" and KDA_CORES.resolve("auto", "cpu") == "chunk"
     assert EXPERT_BACKENDS.resolve("auto", "gpu") == "capacity"
