@@ -807,9 +807,10 @@ def main(argv=None) -> int:
         if ahead is not None:
             ahead.submit(r)
             failed = ahead.wait(r)
-            if failed:
-                print(f"  compiling ahead failed ({failed[:300]}); the run compiles its programs itself")
-            if i + 1 < len(todo):
+            if failed:  # the runs compile their own programs from here on
+                print(f"  compiling ahead failed ({failed[:300]}); it is off for the rest of this process")
+                ahead = None
+            elif i + 1 < len(todo):
                 ahead.submit(todo[i + 1])
         cache.take()
         try:

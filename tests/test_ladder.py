@@ -312,6 +312,27 @@ def test_resume_after_kill_reproduces_uninterrupted_points(tmp_path):
         assert not (out / "runs" / "k2-32x2-s0-lr1").exists()  # checkpoints go once the run is done
 
 
+def test_compile_ahead_keeps_order_shares_a_key_and_reports_failures(monkeypatch):
+    """Compiles run one after another in submission order, once per (arm, size, seed); a failure is
+    returned by `wait` (the runner then lets each run compile its own programs)."""
+    calls = []
+
+    def fake(run, ladder):
+        calls.append(run["run_id"])
+        if run["run_id"] == "b":
+            raise ValueError("boom")
+
+    monkeypatch.setattr(rl, "compile_run_programs", fake)
+    ahead = rl.CompileAhead(ladder=None)
+    runs = [dict(arm="k2", size="32x2", seed=seed, run_id=name) for seed, name in ((0, "a"), (1, "b"), (0, "a2"))]
+    for r in runs:
+        ahead.submit(r)
+    assert ahead.wait(runs[2]) is None  # same key as "a": compiled once
+    assert ahead.wait(runs[1]) == "ValueError: boom"
+    assert ahead.wait(runs[0]) is None
+    assert calls == ["a", "b"]
+
+
 @pytest.mark.slow
 def test_next_run_finds_its_programs_compiled_ahead(tmp_path):
     """While a run trains, the next run's programs are compiled into the persistent cache: with an
