@@ -46,6 +46,8 @@ def default_config() -> ConfigDict:
     # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels',
     # 'dots_kernels_glu', 'dots_kernels_glu_inputs', 'dots_kernels_glu_experts', 'matmuls_kernels'
     m.remat_policy = "full"
+    m.ce_chunk = 0  # > 0: the training loss in sequence chunks of this many tokens, never forming the
+    # [B, T, V] logits (k3.model.linear_cross_entropy); 0: the whole logits array
     m.layer_loop = "auto"  # k3.model.LAYER_LOOPS: 'scan' (repeated layer groups as one lax.scan: compile time
     # flat in depth) or 'unroll' (faster steps, less memory on one H200: BENCHMARKS.md); 'auto': unroll on a GPU.
     # It decides the parameter tree: a run saves the resolved value. The full-size configs name 'scan'.
@@ -243,7 +245,8 @@ _FRACTION = (0, False, 1, False)
 _DECAY = (0, False, 1, True)  # momenta and betas: [0, 1)
 _RANGES = {
     "steps": _POS, "seed": _NONNEG,
-    "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS, "model.dense_ffn_dim": _POS,
+    "model.vocab_size": _POS, "model.ce_chunk": _NONNEG, "model.d_model": _POS, "model.n_layers": _POS,
+    "model.dense_ffn_dim": _POS,
     "model.mla_period": _POS, "model.attn_res_block_size": _POS, "model.norm_eps": _POS,
     "model.init_std": _POS, "model.situ_beta_gate": _POS, "model.situ_beta_up": _POS,
     "model.mla.n_heads": _POS, "model.mla.q_lora_rank": _NONNEG, "model.mla.kv_lora_rank": _POS,

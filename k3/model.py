@@ -270,6 +270,7 @@ class Model(nnx.Module):
         kinds = layer_kinds(cfg)
         self.sharder = sharder
         self.remat = cfg.remat
+        self.ce_chunk = cfg.ce_chunk
         self.remat_policy = REMAT_POLICIES.get(cfg.remat_policy)()
         self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
         self.n_slots = attn_res.n_bank_slots(cfg.n_layers, cfg.attn_res_block_size)
@@ -326,6 +327,19 @@ class Model(nnx.Module):
     def out_bank_count(self) -> int:
         """The bank's count when the output mix reads it (`k3.attn_res.bank_count`)."""
         return attn_res.bank_count(self.n_layers - 1, self.block_size, "ffn")
+
+    def loss(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None, targets_BT: jax.Array,
+             mask_BT: jax.Array | None = None):
+        """(Mean next-token loss over unmasked positions, aux as `__call__`'s), for [B, T] tokens,
+        targets and mask. With ``model.ce_chunk`` > 0 the loss never forms the [B, T, V] logits
+        (`linear_cross_entropy`)."""
+        if not self.ce_chunk:
+            logits, aux = self(tokens_BT, segment_ids_BT)
+            return cross_entropy(logits, targets_BT, mask_BT), aux
+        h, stats = self.hidden(tokens_BT, segment_ids_BT)
+        mask = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT
+        loss = linear_cross_entropy(h, cast(self.lm_head, self.dtype), targets_BT, mask, self.ce_chunk)
+        return loss, {"expert_load": expert_loads(stats), "layer_stats": stats}
 
     def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Logits [B, T, V] (compute dtype) and aux outputs.
@@ -514,6 +528,82 @@ def update_router_biases(model: Model, stats: dict, moe_cfg, n_tokens) -> None:
         if "load" in st:
             st = {k: v for k, v in st.items() if k in ("load", "balance")}
             layer.ffn.router_bias[...] = (jax.vmap(fn) if stacked else fn)(layer.ffn.router_bias[...], st)
+
+
+def linear_cross_entropy(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array,
+                         chunk: int) -> jax.Array:
+    """``cross_entropy(h @ w, targets, mask)`` without the [B, T, V] logits: the sequence is cut into
+    chunks of ``chunk`` tokens (the last one padded with masked tokens), and the forward and backward
+    passes each compute one chunk's [B, chunk, V] logits at a time, in fp32 from the GEMM.
+
+    Why: XLA writes and reads the whole fp32 logits array several times per step (the convert,
+    softmax, its reductions and their backward). With a 16,384-token vocabulary at 32K tokens a step
+    that is 2.1 GB per pass; a chunk small enough for the GPU's L2 keeps those passes on chip.
+    Returns the mean loss (fp32 scalar); gradients for h (h's dtype) and w (w's dtype).
+    """
+    B, T, _ = h_BTD.shape
+    pad = -T % chunk
+    if pad:
+        h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
+        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+        mask_BT = jnp.pad(mask_BT, ((0, 0), (0, pad)))
+    n = (T + pad) // chunk
+    # [n, B, chunk, ...]: one chunk per scan step; the batch axis stays whole (and sharded).
+    h_nBcD = jnp.moveaxis(h_BTD.reshape(B, n, chunk, -1), 1, 0)
+    t_nBc = jnp.moveaxis(targets_BT.reshape(B, n, chunk), 1, 0)
+    m_nBc = jnp.moveaxis(mask_BT.astype(_acc(h_BTD)).reshape(B, n, chunk), 1, 0)
+    return _linear_ce(h_nBcD, w_DV, t_nBc, m_nBc)
+
+
+def _acc(x) -> jnp.dtype:
+    """Accumulation dtype: fp32, or float64 for float64 inputs (the tests' references)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _chunk_logits(h_BcD, w_DV):
+    return jnp.einsum("bcd,dv->bcv", h_BcD, w_DV, preferred_element_type=_acc(h_BcD))
+
+
+def _linear_ce_sums(h_nBcD, w_DV, t_nBc, m_nBc):
+    """(summed masked nll, per-token logsumexp [n, B, c]) over the chunks."""
+    def one(total, xs):
+        h, t, m = xs
+        z = _chunk_logits(h, w_DV)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        nll = lse - jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0]
+        return total + jnp.sum(nll * m), lse
+    return jax.lax.scan(one, jnp.zeros((), _acc(h_nBcD)), (h_nBcD, t_nBc, m_nBc))
+
+
+@jax.custom_vjp
+def _linear_ce(h_nBcD, w_DV, t_nBc, m_nBc):
+    total, _ = _linear_ce_sums(h_nBcD, w_DV, t_nBc, m_nBc)
+    return total / jnp.maximum(jnp.sum(m_nBc), 1.0)
+
+
+def _linear_ce_fwd(h_nBcD, w_DV, t_nBc, m_nBc):
+    total, lse = _linear_ce_sums(h_nBcD, w_DV, t_nBc, m_nBc)
+    count = jnp.maximum(jnp.sum(m_nBc), 1.0)
+    return total / count, (h_nBcD, w_DV, t_nBc, m_nBc, lse, count)
+
+
+def _linear_ce_bwd(res, g):
+    h_nBcD, w_DV, t_nBc, m_nBc, lse, count = res
+    V = w_DV.shape[1]
+
+    def one(dw_DV, xs):
+        h, t, m, l = xs
+        z = _chunk_logits(h, w_DV)
+        dz = (jnp.exp(z - l[..., None]) - jax.nn.one_hot(t, V, dtype=z.dtype)) * (m * (g / count))[..., None]
+        dz = dz.astype(h.dtype)  # the GEMMs below run in the compute dtype, accumulating in fp32
+        dh = jnp.einsum("bcv,dv->bcd", dz, w_DV, preferred_element_type=_acc(h)).astype(h.dtype)
+        return dw_DV + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=_acc(h)), dh
+
+    dw, dh = jax.lax.scan(one, jnp.zeros(w_DV.shape, _acc(h_nBcD)), (h_nBcD, t_nBc, m_nBc, lse))
+    return dh, dw.astype(w_DV.dtype), None, None
+
+
+_linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None):

@@ -77,8 +77,7 @@ from k3.kda.cost import (KDA_LAYER_BYTES, kda_chunk_layer_bytes, kda_context_byt
                          kda_pallas_core_bytes, kda_residual_bytes)
 from k3.mla.cost import MLA_SCORE_BYTES, mla_context_bytes, mla_residual_bytes, mla_scores
 from k3.mla.layer import ATTENTION
-from k3.model import (LAYER_LOOPS, SAVES_EXPERT_PRODUCTS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, cross_entropy,
-                      plan_layers)
+from k3.model import LAYER_LOOPS, SAVES_EXPERT_PRODUCTS, SAVES_KDA_INPUTS, SAVES_WEIGHT_CASTS, Model, plan_layers
 from k3.moe.cost import (expert_product_bytes, moe_all_to_all_bytes, moe_dispatch, moe_dispatch_rows,
                          moe_residual_bytes, moe_tensor_bytes, router_bias_bytes)
 from k3.kda.layer import CONV_BACKENDS
@@ -599,7 +598,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
       transient    the largest single transient of any layer (all-to-all buffers, attention-score
                    gradients or QK-Clip logits)
-      LM head      N V_l (a + 2 f): logits, fp32 log-softmax and its gradient, plus the gathered LM
+      LM head      N V_l (a + 2 f): logits, fp32 log-softmax and its gradient (N: one chunk's tokens
+                   with ``model.ce_chunk``), plus the gathered LM
                    head weight and its unreduced gradient
     peak = carries + kept layers + max(working set + transient, LM head).
     """
@@ -639,7 +639,10 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
     out["kept_layers"] = sum(res[i]["total"] for i in kept)
     out["transient"] = max(r["transient"] for r in res)
     V_l = m.vocab_size // lay.vocab_div
-    out["lm_head"] = N * V_l * (a + 8) + 2 * gather_bytes["lm_head"] + 2 * N * D * a
+    # With model.ce_chunk the loss forms one chunk's logits at a time (and keeps an fp32 logsumexp per token).
+    N_ce = lay.micro * min(m.ce_chunk, lay.t) if m.ce_chunk else N
+    out["lm_head"] = (N_ce * V_l * (a + 8) + 2 * gather_bytes["lm_head"] + 2 * N * D * a
+                      + (4 * N if m.ce_chunk else 0))
     out["peak"] = (out["carries"] + out["kept_layers"] + out["kept_weights"] + out["kept_inputs"]
                    + max(out["working_set"] + out["transient"], out["lm_head"]))
     out["remat_effective"] = remat
@@ -677,9 +680,8 @@ def saved_residual_bytes(cfg, batch: int, seq: int, platform: str = "gpu") -> fl
         tokens = jnp.zeros((batch, seq), jnp.int32)
         segments = jnp.ones((batch, seq), jnp.int32)
 
-        def loss(p):
-            logits, _ = nnx.merge(graphdef, p, rest)(tokens, segments)
-            return cross_entropy(logits, tokens)
+        def loss(p):  # the train step's loss (`Model.loss`: chunked with model.ce_chunk)
+            return nnx.merge(graphdef, p, rest).loss(tokens, segments, tokens)[0]
 
         param_ids = {id(x) for x in jax.tree.leaves(params)}
         vjp = jax.vjp(loss, params)[1]

@@ -19,7 +19,7 @@ from flax import nnx
 
 from k3 import backends, nn, optim, sharding
 from k3.moe.balancing import BALANCERS
-from k3.model import Model, apply_qk_clip, cross_entropy, update_router_biases
+from k3.model import Model, apply_qk_clip, update_router_biases
 
 
 class RunError(RuntimeError):
@@ -95,9 +95,15 @@ def make_sharder(cfg) -> sharding.Sharder | None:
 INIT_COMPILER_OPTIONS = {"gpu": {"xla_disable_hlo_passes": "multi_output_fusion"}}
 
 
+def _tracing() -> bool:
+    """Whether a JAX transformation is tracing here (e.g. `jax.eval_shape` of `make_run`)."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
 def init_program(cfg, sharder: sharding.Sharder | None = None):
     """(graphdef, jitted initialiser) of `init_model`, nothing run: calling the initialiser returns
-    (params, rest); ``.lower().compile()`` compiles it ahead (`experiments.run_ladder`)."""
+    (params, rest); ``.lower().compile()`` compiles it ahead (`experiments.run_ladder`). Inside a
+    trace it is a plain nested jit: JAX takes compiler options on top-level jits only."""
     def build():
         return Model(cfg.model, rngs=nnx.Rngs(cfg.seed), track_max_logit=cfg.optim.qk_clip, sharder=sharder)
 
@@ -106,7 +112,7 @@ def init_program(cfg, sharder: sharding.Sharder | None = None):
     if sharder is not None:
         out_shardings = (sharding.state_shardings(abs_params, sharder), sharding.state_shardings(abs_rest, sharder))
     fn = jax.jit(lambda: tuple(nnx.split(build(), nnx.Param, ...)[1:]), out_shardings=out_shardings,
-                 compiler_options=INIT_COMPILER_OPTIONS.get(backends.platform()))
+                 compiler_options=None if _tracing() else INIT_COMPILER_OPTIONS.get(backends.platform()))
     return graphdef, fn
 
 
@@ -232,9 +238,7 @@ def make_run(cfg) -> tuple[Run, dict]:
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
-        logits, aux = model(batch["inputs"], batch["segment_ids"])
-        loss = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-        return loss, aux
+        return model.loss(batch["inputs"], batch["segment_ids"], batch["targets"], batch["loss_mask"])
 
     def train_step(state, batch):
         params, rest = state["params"], state["rest"]

@@ -279,3 +279,56 @@ def test_the_retired_scan_layers_key_is_named_and_its_values_translate():
     assert renamed_setting("model.remat", True) == ("model.remat", True)
     with pytest.raises(ConfigError, match="only"):
         renamed_setting("model.scan_layers", "yes")
+
+
+@pytest.mark.parametrize("B, T, chunk", [(2, 13, 4), (1, 1, 8), (3, 16, 16), (2, 9, 32)])
+def test_linear_cross_entropy_equals_the_logits_form_float64(x64, B, T, chunk):
+    """Loss and gradients of the chunked loss (`linear_cross_entropy`) against the logits form in
+    float64: lengths not a multiple of the chunk, one token, a chunk longer than the sequence, masked
+    positions."""
+    from k3.model import linear_cross_entropy
+
+    rng = np.random.default_rng(B * 100 + T)
+    D, V = 6, 11
+    h = jnp.asarray(rng.normal(size=(B, T, D)))
+    w = jnp.asarray(rng.normal(size=(D, V)))
+    t = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    mask = jnp.asarray(rng.random((B, T)) < 0.8, jnp.float64).at[0, 0].set(1.0)
+
+    def ref(h, w):  # float64 throughout (`cross_entropy` takes its log-softmax in fp32)
+        z = jnp.einsum("btd,dv->btv", h, w)
+        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0]
+        return jnp.sum(nll * mask) / jnp.sum(mask)
+
+    def ours(h, w):
+        return linear_cross_entropy(h, w, t, mask, chunk)
+
+    (lr, gr), (lo, go) = (jax.value_and_grad(f, argnums=(0, 1))(h, w) for f in (ref, ours))
+    assert lo.dtype == jnp.float64
+    np.testing.assert_allclose(lo, lr, rtol=1e-12)
+    for a, b in zip(go, gr):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype, loss_rel, grad_rel", [("float32", 1e-6, 1e-4), ("bfloat16", 1e-3, 0.05)])
+def test_ce_chunk_train_loss_and_gradients_match_the_whole_logits(dtype, loss_rel, grad_rel):
+    """A tiny K3's training loss and gradients with model.ce_chunk against the whole-logits loss: equal
+    in fp32; in bf16 within the rounding of the logits (the chunked form keeps them in fp32)."""
+    from k3.config import default_config
+    from k3.steps import make_run
+
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 97, (2, 21)).astype(np.int32)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((2, 20), np.int32),
+             "loss_mask": (rng.random((2, 20)) < 0.9).astype(np.float32)}
+    out = {}
+    for chunk in (0, 8):
+        cfg = default_config()
+        cfg.model = tiny_model_cfg(dtype=dtype, ce_chunk=chunk)
+        run, state = make_run(cfg)
+        (loss, _), grads = jax.value_and_grad(run.loss_fn, has_aux=True)(state["params"], state["rest"], batch)
+        out[chunk] = float(loss), jax.tree.leaves(grads)
+    assert out[8][0] == pytest.approx(out[0][0], rel=loss_rel)
+    for a, b in zip(out[8][1], out[0][1], strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= grad_rel * np.linalg.norm(b) + 1e-7

@@ -461,6 +461,9 @@ def test_init_compiler_options_change_no_value():
         _, gpu_opts, _ = init_model(cfg)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(gpu_opts), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with backends.targeting("gpu"):  # traced (as `aot_report` and the ladder's compile-ahead do): no options
+        shapes = jax.eval_shape(lambda: init_model(cfg)[1])
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), plain)
 
 
 def test_use_compile_cache_writes_the_programs_there(tmp_path):
