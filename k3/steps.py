@@ -293,6 +293,10 @@ def make_run(cfg) -> tuple[Run, dict]:
 
     def eval_step(state, batch):
         model = nnx.merge(graphdef, state["params"], state["rest"])
+        if cfg.model.ce_chunk:  # summed from the mean: the chunked loss never forms the logits
+            count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+            loss, _ = model.loss(batch["inputs"], batch["segment_ids"], batch["targets"], batch["loss_mask"])
+            return loss * jnp.maximum(count, 1.0), count
         logits, _ = model(batch["inputs"], batch["segment_ids"])
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]

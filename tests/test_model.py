@@ -321,14 +321,17 @@ def test_ce_chunk_train_loss_and_gradients_match_the_whole_logits(dtype, loss_re
     toks = rng.integers(0, 97, (2, 21)).astype(np.int32)
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((2, 20), np.int32),
              "loss_mask": (rng.random((2, 20)) < 0.9).astype(np.float32)}
-    out = {}
+    out, evals = {}, {}
     for chunk in (0, 8):
         cfg = default_config()
         cfg.model = tiny_model_cfg(dtype=dtype, ce_chunk=chunk)
         run, state = make_run(cfg)
         (loss, _), grads = jax.value_and_grad(run.loss_fn, has_aux=True)(state["params"], state["rest"], batch)
         out[chunk] = float(loss), jax.tree.leaves(grads)
+        evals[chunk] = [float(x) for x in run.eval_step(state, batch)]
     assert out[8][0] == pytest.approx(out[0][0], rel=loss_rel)
+    assert evals[8][1] == evals[0][1] == float(batch["loss_mask"].sum())
+    assert evals[8][0] == pytest.approx(evals[0][0], rel=loss_rel)
     for a, b in zip(out[8][1], out[0][1], strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= grad_rel * np.linalg.norm(b) + 1e-7
