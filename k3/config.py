@@ -46,7 +46,7 @@ def default_config() -> ConfigDict:
     # k3.model.REMAT_POLICIES: what remat keeps: 'full' (inputs only), 'dots' (projections), 'dots_kernels',
     # 'dots_kernels_glu', 'dots_kernels_glu_inputs', 'dots_kernels_glu_experts', 'matmuls_kernels'
     m.remat_policy = "full"
-    m.ce_chunk = 0  # > 0: the training loss in sequence chunks of this many tokens, never forming the
+    m.ce_chunk = 0  # > 0: the loss over chunks of this many positions of every row, never forming the
     # [B, T, V] logits (k3.model.linear_cross_entropy); 0: the whole logits array
     m.layer_loop = "auto"  # k3.model.LAYER_LOOPS: 'scan' (repeated layer groups as one lax.scan: compile time
     # flat in depth) or 'unroll' (faster steps, less memory on one H200: BENCHMARKS.md); 'auto': unroll on a GPU.

@@ -537,9 +537,10 @@ def linear_cross_entropy(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Arra
     passes each compute one chunk's [B, chunk, V] logits at a time, in fp32 from the GEMM.
 
     Why: XLA writes and reads the whole fp32 logits array several times per step (the convert,
-    softmax, its reductions and their backward). With a 16,384-token vocabulary at 32K tokens a step
-    that is 2.1 GB per pass; a chunk small enough for the GPU's L2 keeps those passes on chip.
-    Returns the mean loss (fp32 scalar); gradients for h (h's dtype) and w (w's dtype).
+    softmax, its reductions and their backward): 2.1 GB per pass at 32K tokens and a 16,384-token
+    vocabulary, and the largest activation of the step at K3's 163,840 (BENCHMARKS.md). The price is
+    the logits' GEMM once more in the backward. Returns the mean loss (fp32 scalar); gradients for h
+    (h's dtype) and w (w's dtype).
     """
     B, T, _ = h_BTD.shape
     pad = -T % chunk
