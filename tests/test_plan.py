@@ -414,3 +414,16 @@ def test_optimizer_transient_bounds_xla_temporaries(mu_dtype, ns):
     assert any("optimizer update's transient" in n for n in est["notes"])
     work = P.muon_work(mdl.infos, [1] * len(mdl.infos), 2 if mu_dtype == "bfloat16" else 4)
     assert 0 < work["largest"] < work["transient"] == pytest.approx(planned)
+
+
+def test_lm_head_term_counts_one_chunk_of_logits_with_ce_chunk():
+    """With model.ce_chunk the LM-head term holds one chunk's logits (micro rows x chunk positions)
+    plus a fp32 logsumexp per token, instead of every token's logits."""
+    terms = {}
+    for chunk in (0, 16):
+        cfg = _cfg()
+        cfg.model.vocab_size, cfg.model.ce_chunk = 4096, chunk
+        est = P.plan(P.load_model(cfg), ONE, "h200", batch=4, seq=64, remat=False)
+        terms[chunk] = est["memory"]["activation_terms"]["lm_head"]
+    a, N = 4 if _cfg().model.dtype == "float32" else 2, 4 * 64
+    assert terms[0] - terms[16] == pytest.approx((N - 4 * 16) * 4096 * (a + 4) - 4 * N)
