@@ -51,6 +51,7 @@ from flax import nnx
 
 from experiments.configs.ladder import arm_config
 from k3 import decode
+from k3.backends import COMPILE_CACHE_HELP, use_compile_cache
 from k3.hardware import device_hbm_bandwidth
 from k3.model import Model, served, unrolled
 from k3.params import count_params
@@ -271,7 +272,9 @@ def main(argv=None):
     p.add_argument("--profile_top", type=int, default=0,
                    help="also profile one call and list this many device kernels by share of time")
     p.add_argument("--json", default="")
+    p.add_argument("--compile_cache", default="", help=COMPILE_CACHE_HELP)
     a = p.parse_args(argv)
+    use_compile_cache(a.compile_cache)
     kinds = [m for m in a.models.split(",") if m]
     bad = sorted(set(kinds) - {"k3", "all_mla"})
     if bad or not kinds:

@@ -40,6 +40,7 @@ from k3.moe.layer import EXPERT_BACKENDS  # noqa: E402
 from k3.kda.ops import KDA_CORES  # noqa: E402
 from k3.params import count_params, flops_per_token  # noqa: E402
 from k3.hardware import device_peak_flops  # noqa: E402
+from k3.backends import COMPILE_CACHE_HELP, use_compile_cache  # noqa: E402
 from k3.steps import make_run  # noqa: E402
 
 
@@ -227,13 +228,9 @@ def main():
     p.add_argument("--fit_batches", default="", help="comma-separated batch sizes to compile-check for memory")
     p.add_argument("--profile_dir", default="", help="also trace 2 steps there and print the time breakdown")
     p.add_argument("--json", default="")
-    p.add_argument("--compile_cache", default="",
-                   help="persistent XLA compilation cache directory: a rerun of a model skips its compiles")
+    p.add_argument("--compile_cache", default="", help=COMPILE_CACHE_HELP)
     a = p.parse_args()
-    if a.compile_cache:
-        from k3.backends import use_compile_cache
-
-        use_compile_cache(a.compile_cache)
+    use_compile_cache(a.compile_cache)
     fit = [int(b) for b in a.fit_batches.split(",") if b]
     rows = []
     for spec in a.models.split(","):

@@ -49,6 +49,7 @@ if __name__ == "__main__" and "--no_command_buffers" in sys.argv:  # must preced
 import jax  # noqa: E402
 
 from experiments.bench_train_step import build_config, synthetic_batch  # noqa: E402
+from k3.backends import COMPILE_CACHE_HELP, use_compile_cache  # noqa: E402
 from k3.steps import make_run  # noqa: E402
 
 CATEGORIES = ("expert matmuls", "expert dispatch", "attention", "KDA", "AttnRes mixes", "optimizer",
@@ -421,7 +422,9 @@ def main():
     p.add_argument("--no_command_buffers", action="store_true",
                    help="turn XLA's CUDA graphs off so that every kernel names its HLO op")
     p.add_argument("--json", default="")
+    p.add_argument("--compile_cache", default="", help=COMPILE_CACHE_HELP)
     a = p.parse_args()
+    use_compile_cache(a.compile_cache)
     trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="k3_trace_")
     res = profile(a.model, a.seq_len, a.batch, a.remat, a.set, a.steps, trace_dir)
     print_breakdown(res)

@@ -29,10 +29,9 @@ def main(argv):
         cli.fail(str(e))
     from k3.train import RunError, train  # after the backend is configured
 
-    if flags.FLAGS.compile_cache:
-        from k3.backends import use_compile_cache
+    from k3.backends import use_compile_cache
 
-        use_compile_cache(flags.FLAGS.compile_cache)
+    use_compile_cache(flags.FLAGS.compile_cache or "")
 
     try:
         last = train(flags.FLAGS.config, flags.FLAGS.workdir)
