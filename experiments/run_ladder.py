@@ -51,6 +51,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -580,40 +581,38 @@ def compile_run_programs(run: dict, ladder) -> None:
 
 
 class CompileAhead:
-    """Compiles runs' programs (`compile_run_programs`) on background threads, one run at a time in
-    the order they are submitted; runs of the same arm, size and seed share one compile. A failure
-    is reported by `wait`, and the run then compiles its programs itself. Daemon threads: a process
-    that stops at its deadline does not wait for a compile it no longer needs."""
+    """Compiles runs' programs (`compile_run_programs`) on one background thread, in the order they
+    are submitted; runs of the same arm, size and seed share one compile. A failure is reported by
+    `wait`, and the run then compiles its programs itself. A daemon thread: a process that stops at
+    its deadline does not wait for a compile it no longer needs."""
 
     def __init__(self, ladder):
         self._ladder = ladder
         self._done: dict[tuple, threading.Event] = {}
         self._errors: dict[tuple, str] = {}
-        self._last: threading.Event | None = None
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, name="compile-ahead", daemon=True).start()
 
     @staticmethod
     def key(run: dict) -> tuple:
         return run["arm"], run["size"], run["seed"]
 
-    def submit(self, run: dict) -> None:
-        """Queues ``run``'s compile behind the one submitted before (no-op if already submitted)."""
-        key = self.key(run)
-        if key in self._done:
-            return
-        done, before = threading.Event(), self._last
-        self._done[key], self._last = done, done
-
-        def work():
-            if before is not None:
-                before.wait()
+    def _work(self):
+        while True:
+            key, run = self._queue.get()
             try:
                 compile_run_programs(run, self._ladder)
             except Exception as e:  # noqa: BLE001 - reported by `wait`; the run compiles itself
                 self._errors[key] = f"{type(e).__name__}: {e}"
             finally:
-                done.set()
+                self._done[key].set()
 
-        threading.Thread(target=work, name=f"compile-ahead {run['run_id']}", daemon=True).start()
+    def submit(self, run: dict) -> None:
+        """Queues ``run``'s compile (no-op if its key is already queued or done)."""
+        key = self.key(run)
+        if key not in self._done:
+            self._done[key] = threading.Event()
+            self._queue.put((key, run))
 
     def wait(self, run: dict) -> str | None:
         """Blocks until ``run``'s compile (if submitted) is over; returns its failure, if any."""

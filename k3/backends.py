@@ -50,7 +50,8 @@ COMPILE_CACHE_HELP = "persistent XLA compilation cache directory: a rerun of a m
 def use_compile_cache(path: str) -> None:
     """Keeps XLA's compiled programs under ``path`` (every program, however quick to compile), so a
     rerun, a resumed run or another benchmark of the same model skips compiling them again: the
-    K3 1024:12 initialiser took a second process on an H200 7.0 s instead of 128.0 s. '' does nothing."""
+    K3 1024:12 state build (mostly the initialiser's compile) took a second process on an H200 7.0 s
+    instead of 128.0 s. '' does nothing."""
     if not path:
         return
     jax.config.update("jax_compilation_cache_dir", path)

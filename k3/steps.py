@@ -90,8 +90,9 @@ def make_sharder(cfg) -> sharding.Sharder | None:
 
 # XLA options for compiling the initialiser, per platform. On a GPU, sibling multi-output fusion
 # merges the random draws of every parameter of one shape into a single kernel (K3 1024:12: 72
-# kernels, the largest about 7,000 ops), which the GPU compiler takes minutes over; drawn in separate
-# kernels the initialiser compiles in about half the time (46.6 -> 24-28 s for an H200, on a 2-core CPU).
+# kernels, the largest about 7,000 ops). A K3 1024:12 state build took 128 s on the H200, nearly all
+# of it compiling the initialiser; drawn in separate kernels it compiles in about half the time
+# (46.6 -> 24-28 s for an H200, on a 2-core CPU; not yet timed on a GPU).
 INIT_COMPILER_OPTIONS = {"gpu": {"xla_disable_hlo_passes": "multi_output_fusion"}}
 
 
