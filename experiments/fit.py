@@ -761,19 +761,24 @@ def arm_points(records: Sequence[dict], convention: str, rule: str = "best") -> 
 def lr_rules(records: Sequence[dict], convention: str = "6N") -> dict:
     """Per arm, the learning-rate rule fitted from its sweeps (`fit_lr_rule`), or why there is none.
 
-    A size's sweep is its seed-0 final points at >= 3 distinct rates; its compute is that of the run
-    at the ladder's rule (every rate trains the same tokens). Arms with sweeps at < 2 sizes are
-    reported as skipped."""
+    A size's sweep is its seed-0 final points at >= 3 distinct rates, each rate's loss the mean over its
+    same-seed repeats (on a GPU they differ by about as much as neighbouring rates near the optimum);
+    its compute is that of the run at the ladder's rule (every rate trains the same tokens). Arms with
+    sweeps at < 2 sizes are reported as skipped."""
     key = CONVENTIONS[convention]
     out = {}
     for arm in sorted({str(r["arm"]) for r in records if "arm" in r}):
-        finals = [r for r in records if r.get("arm") == arm and is_seed0(r) and r.get("is_final")
+        finals = [r for r in records if r.get("arm") == arm and int(r.get("seed", 0)) == 0 and r.get("is_final")
                   and has_finite_loss(r) and r.get("lr") is not None]
         sweeps = {}
         for size in sorted({size_label(r) for r in finals}):
-            rs = [r for r in finals if size_label(r) == size]
-            if len({float(r["lr"]) for r in rs}) >= 3:
-                sweeps[float(rs[0][key])] = ([float(r["lr"]) for r in rs], [float(r["val_loss"]) for r in rs])
+            by_lr = {}
+            for r in finals:
+                if size_label(r) == size:
+                    by_lr.setdefault(float(r["lr"]), []).append(float(r["val_loss"]))
+            if len(by_lr) >= 3:
+                C = next(float(r[key]) for r in finals if size_label(r) == size)
+                sweeps[C] = (list(by_lr), [float(np.mean(v)) for v in by_lr.values()])
         if len(sweeps) < 2:
             out[arm] = {"skipped": f"sweeps of >= 3 rates at {len(sweeps)} size(s); a rule needs 2"}
             continue

@@ -583,15 +583,17 @@ def compile_run_programs(run: dict, ladder) -> None:
 class CompileAhead:
     """Compiles runs' programs (`compile_run_programs`) on one background thread, in the order they
     are submitted; runs of the same arm, size and seed share one compile. A failure is reported by
-    `wait`, and the run then compiles its programs itself. A daemon thread: a process that stops at
-    its deadline does not wait for a compile it no longer needs."""
+    `wait`, and the run then compiles its programs itself. `close` drops what is queued and waits for
+    the compile under way: a process must not exit while XLA compiles on another thread (the C++
+    runtime aborts it, exit status 134)."""
 
     def __init__(self, ladder):
         self._ladder = ladder
         self._done: dict[tuple, threading.Event] = {}
         self._errors: dict[tuple, str] = {}
         self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._work, name="compile-ahead", daemon=True).start()
+        self._thread = threading.Thread(target=self._work, name="compile-ahead", daemon=True)
+        self._thread.start()
 
     @staticmethod
     def key(run: dict) -> tuple:
@@ -599,7 +601,10 @@ class CompileAhead:
 
     def _work(self):
         while True:
-            key, run = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            key, run = item
             try:
                 compile_run_programs(run, self._ladder)
             except Exception as e:  # noqa: BLE001 - reported by `wait`; the run compiles itself
@@ -620,6 +625,18 @@ class CompileAhead:
         if done is not None:
             done.wait()
         return self._errors.get(self.key(run))
+
+    def close(self) -> None:
+        """Drops the queued compiles, waits for the one under way and stops the thread."""
+        while True:
+            try:
+                key, _ = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._errors[key] = "not compiled: compiling ahead was closed"
+            self._done[key].set()
+        self._queue.put(None)
+        self._thread.join()
 
 
 class CacheCounter:
@@ -773,14 +790,16 @@ def main(argv=None) -> int:
         use_compile_cache(a.compile_cache or str(out / "compile_cache"))
     from k3.data import DataError
     from k3.data.pipeline import prepare_data
-    from k3.steps import RunError
 
     out.mkdir(parents=True, exist_ok=True)
+    t_data = time.perf_counter()
     try:
         data = prepare_data(todo[0]["cfg"], out / "data")
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"data: {data.train.num_tokens:,} training tokens, {data.val.num_tokens:,} held out; ready in "
+          f"{time.perf_counter() - t_data:.0f}s ({time.perf_counter() - t_start:.0f}s since start)", flush=True)
     try:
         check_epochs(runs, data.train.num_tokens, ladder.max_epochs)
     except LadderError as e:
@@ -792,25 +811,49 @@ def main(argv=None) -> int:
         return 2
     kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
     ahead = None if a.no_compile_ahead else CompileAhead(ladder)
+    try:
+        return _train_all(todo, ladder, data, out, done, kill, speed, ahead, a.deadline_s, t_start)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _estimate_s(run: dict, speed: dict) -> float | None:
+    """Seconds ``run`` should train for at its arm's recorded speed (None without one)."""
+    return run_flops(run) / speed[run["arm"]] if run["arm"] in speed else None
+
+
+def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_start) -> int:
+    """Trains ``todo`` in order, skipping what the deadline leaves no time for; the exit status."""
+    from k3.steps import RunError
+
+    def too_late(run, start_s):
+        est = _estimate_s(run, speed)
+        return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
+
     cache = CacheCounter()
     for i, r in enumerate(todo):
         elapsed = time.perf_counter() - t_start
-        if a.deadline_s and elapsed > a.deadline_s:
-            print(f"deadline: {a.deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
+        if deadline_s and elapsed > deadline_s:
+            print(f"deadline: {deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
             break
-        flops = run_flops(r)
-        if a.deadline_s and r["arm"] in speed and elapsed + flops / speed[r["arm"]] + 30 > a.deadline_s:
-            print(f"deadline: {r['run_id']} would need about {flops / speed[r['arm']]:.0f}s; skipped (rerun to resume)")
+        if too_late(r, elapsed):
+            print(f"deadline: {r['run_id']} would need about {_estimate_s(r, speed):.0f}s; skipped (rerun to resume)")
             continue
-        print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e}", flush=True)
+        print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e} (at {elapsed:.0f}s)", flush=True)
         if ahead is not None:
             ahead.submit(r)
             failed = ahead.wait(r)
             if failed:  # the runs compile their own programs from here on
                 print(f"  compiling ahead failed ({failed[:300]}); it is off for the rest of this process")
                 ahead = None
-            elif i + 1 < len(todo):
-                ahead.submit(todo[i + 1])
+            else:
+                # The next run this one leaves time for: compiling one the deadline skips only delays the exit.
+                est = _estimate_s(r, speed)
+                after = elapsed + (est or 0.0)
+                nxt = next((n for n in todo[i + 1:] if not too_late(n, after)), None)
+                if nxt is not None:
+                    ahead.submit(nxt)
         cache.take()
         try:
             recs = train_run(r, ladder, data, out, done, kill)

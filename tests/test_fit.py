@@ -448,6 +448,15 @@ def test_lr_rules_from_ladder_records():
     rules = F.lr_rules(recs, "6N")
     assert rules["k3"]["exp"] == pytest.approx(-0.11, abs=1e-6) and rules["k3"]["coef"] == pytest.approx(0.9, rel=1e-4)
     assert "skipped" in rules["k2"]
+    # Same-seed repeats of a rate enter as their mean: a pair +-0.03 around the curve changes nothing,
+    # while the same pair's upper run alone moves the optimum.
+    pair = [r for r in recs if r["arm"] == "k3" and r["size"] == "64x4" and r["lr_mult"] == 4.0][0]
+    up = dict(pair, val_loss=pair["val_loss"] + 0.03, repeat=1, run_id="up")
+    down = dict(pair, val_loss=pair["val_loss"] - 0.03, repeat=0)
+    rest = [r for r in recs if r is not pair]
+    both = F.lr_rules(rest + [down, up], "6N")["k3"]
+    assert both["exp"] == pytest.approx(-0.11, abs=1e-6) and both["coef"] == pytest.approx(0.9, rel=1e-4)
+    assert F.lr_rules(rest + [up], "6N")["k3"]["exp"] != pytest.approx(-0.11, abs=1e-3)
 
 
 def test_report_prints_the_lr_rule_table():

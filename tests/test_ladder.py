@@ -333,6 +333,36 @@ def test_compile_ahead_keeps_order_shares_a_key_and_reports_failures(monkeypatch
     assert calls == ["a", "b"]
 
 
+def test_compile_ahead_close_waits_for_the_compile_under_way_and_drops_the_queue(monkeypatch):
+    """`close` returns only once the running compile is over (a process exiting while XLA compiles on
+    another thread aborts), and the queued ones never start."""
+    import threading
+
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def fake(run, ladder):
+        calls.append(run["run_id"])
+        started.set()
+        assert release.wait(10)
+
+    monkeypatch.setattr(rl, "compile_run_programs", fake)
+    ahead = rl.CompileAhead(ladder=None)
+    runs = [dict(arm="k2", size="32x2", seed=seed, run_id=f"r{seed}") for seed in range(3)]
+    for r in runs:
+        ahead.submit(r)
+    assert started.wait(10)
+    closer = threading.Thread(target=ahead.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # still waiting for r0's compile
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive() and not ahead._thread.is_alive()
+    assert calls == ["r0"]
+    assert ahead.wait(runs[0]) is None
+    assert "closed" in ahead.wait(runs[2])
+
+
 @pytest.mark.slow
 def test_next_run_finds_its_programs_compiled_ahead(tmp_path):
     """While a run trains, the next run's programs are compiled into the persistent cache: with an
@@ -416,6 +446,6 @@ def test_single_epoch_bpe_ladder_spans_the_planned_compute():
         for r in rs:
             assert r["tokens"] == pytest.approx(20 * r["counts"]["non_embedding_active_params"], rel=0.01)
         swept = {(r["size"], r["lr_mult"]) for r in runs if r["arm"] == arm and r["lr_mult"] != 1}
-        assert swept == {(s, m) for s in [r["size"] for r in rs][:3] for m in (0.5, 2.0, 4.0)}
+        assert swept == {(s, m) for s in [r["size"] for r in rs][:3] for m in (0.5, 2.0, 4.0, 8.0)}
     for arm in ("k2+kda_hybrid", "k2+attn_res", "k2+latent_moe_qb"):
         assert len([r for r in main if r["arm"] == arm]) == 3

@@ -19,12 +19,20 @@ are about 630-650 MB of text. The GPU machines' image holds 642.2 MB of training
 ``--set=data.extra_roots=/usr/include:/usr/local/cuda/targets/x86_64-linux/include``
 (experiments/RESULTS.md), so the commands below pass that setting there.
 
-Stages (each command resumes where a deadline stopped it; results of several machines merge):
+Stages (each command resumes where a deadline stopped it; results of several machines merge). On
+machines that keep nothing between commands, seed OUT with the points recorded so far, which then
+count as done, and bring back the ``points.jsonl`` it writes under a new name::
 
-1. Learning-rate sweep at the shared rule, x0.5 / x1 / x2 / x4 at each arm's 3 smallest sizes:
+    mkdir -p OUT && cp experiments/results/bpe_1e16/points*.jsonl OUT/
+
+Each command then prepares the data again: its first run starts 1.5-2 minutes in on the H100 machine.
+
+1. Learning-rate sweep at the shared rule, x0.5 / x1 / x2 / x4 / x8 at each arm's 3 smallest sizes (the
+   first sweeps, at each arm's smallest size, still improved from x2 to x4, so x8 brackets the optimum):
 
        python -m experiments.run_ladder --ladder=experiments/configs/ladder_1e16.py --out=OUT \\
-           --arms=k2,k3 --jobs=main,sweep --sizes=160x4,192x6,224x8,128x4,160x6,192x8 --deadline_s=540
+           --arms=k2,k3 --jobs=main,sweep --sizes=160x4,192x6,224x8,128x4,160x6,192x8 \\
+           --set=data.extra_roots=/usr/include:/usr/local/cuda/targets/x86_64-linux/include --deadline_s=540
 
 2. Fit each arm's rule and set it: ``python -m experiments.fit --results=OUT`` prints
    ``lr_rules = "k2=...;k3=..."``; put that into ``c.lr_rules`` below.
@@ -32,13 +40,13 @@ Stages (each command resumes where a deadline stopped it; results of several mac
    and same-seed repeats:
 
        python -m experiments.run_ladder --ladder=experiments/configs/ladder_1e16.py --out=OUT \\
-           --arms=k2,k3 --jobs=main,shared,seeds,repeats --deadline_s=540
+           --arms=k2,k3 --jobs=main,shared,seeds,repeats --set=data.extra_roots=... --deadline_s=540
 
 4. Mechanism arms, at the shared rule (compare them with K2's shared-rule points: ``experiments.fit``
    reports both):
 
        python -m experiments.run_ladder --ladder=experiments/configs/ladder_1e16.py --out=OUT \\
-           --arms=k2+kda_hybrid,k2+attn_res,k2+latent_moe_qb --jobs=main
+           --arms=k2+kda_hybrid,k2+attn_res,k2+latent_moe_qb --jobs=main --set=data.extra_roots=...
 """
 
 from experiments.run_ladder import default_ladder
@@ -59,7 +67,7 @@ def get_config():
     c.extra_seeds = "1"
     c.seed_sizes = 2
     c.repeats = 1
-    c.lr_sweep = "0.5,2.0,4.0"
+    c.lr_sweep = "0.5,2.0,4.0,8.0"
     c.sweep_sizes = 3
     c.lr_rules = ""  # stage 2 fills this in from the sweep
     c.max_epochs = 1.0
