@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import os
 import re
@@ -44,7 +45,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from experiments.bench_train_step import build_config, synthetic_batch
+from experiments.bench_train_step import apply_sets, build_config, synthetic_batch
 from experiments.profile_step import _CALLS, _OP_NAME, CATEGORIES, _instructions, _shapes_bytes, categorize
 
 # Device descriptions (datasheet and driver-reported figures) of the GPUs a step can be compiled for.
@@ -398,14 +399,16 @@ def ladder_floors(a, t: dict) -> list[dict]:
                          jobs=[j for j in a.jobs.split(",") if j])
     except LadderError as err:
         raise SystemExit(f"aot_report: {err}") from None
-    device = compile_only_device(a.target)
     rows, by_shape = [], {}
     for run in runs:
         by_shape.setdefault((run["arm"], run["size"]), []).append(run)
+    # --set applies to every run; checked here, before the compiler is loaded
+    cfgs = {shape: apply_sets(copy.deepcopy(group[0]["cfg"]), a.set) for shape, group in by_shape.items()}
+    device = compile_only_device(a.target)
     print("| arm | size | runs | steps | GiB | kernels/step | floor ms/step | runs' floor s |\n"
           "|---|---|---|---|---|---|---|---|")
     for (arm, size), group in by_shape.items():
-        compiled, seconds = compile_step(group[0]["cfg"], device)
+        compiled, seconds = compile_step(cfgs[arm, size], device)
         floors = kernel_floors(compiled.as_text(), hbm_bytes_per_s=t["hbm_bytes_per_s"],
                                peak_flops=t["peak_bf16_flops"])
         step_ms = sum(c["floor_ms"] for c in floors["categories"].values())
@@ -434,7 +437,8 @@ def main(argv=None):
     p.add_argument("--seq_len", type=int, default=4096)
     p.add_argument("--batches", default="8", help="comma-separated batch sizes (rows of seq_len tokens)")
     p.add_argument("--remat", action="store_true", help="rematerialise each scanned layer group")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable; with --ladder, applied to every run)")
     p.add_argument("--top", type=int, default=12, help="kernels listed by floor")
     p.add_argument("--json", default="")
     p.add_argument("--hlo_dir", default="", help="also write each compiled module's HLO text there")

@@ -65,6 +65,11 @@ def build_config(style, d_model, n_layers, seq_len, batch, remat, sets=()):
     cfg.model.remat = remat
     cfg.data.seq_len, cfg.data.batch_size = seq_len, batch
     cfg.steps = 1000
+    return apply_sets(cfg, sets)
+
+
+def apply_sets(cfg, sets=()):
+    """``cfg`` with each 'KEY=VALUE' of ``sets`` applied, validated (SystemExit naming an unknown key)."""
     for item in sets:
         key, _, val = item.partition("=")
         key, val = renamed_setting(key, parse_value(val))

@@ -48,6 +48,8 @@ def default_config() -> ConfigDict:
     m.remat_policy = "full"
     m.ce_chunk = 0  # > 0: the loss over chunks of this many positions of every row, never forming the
     # [B, T, V] logits (k3.model.linear_cross_entropy); 0: the whole logits array
+    m.ce_impl = "custom_vjp"  # k3.model.CROSS_ENTROPY, the whole-logits loss: 'custom_vjp' (two passes over the
+    # logits, BENCHMARKS.md) or 'autodiff' (autodiff of the fp32 log-softmax, kept for comparisons)
     m.layer_loop = "auto"  # k3.model.LAYER_LOOPS: 'scan' (repeated layer groups as one lax.scan: compile time
     # flat in depth) or 'unroll' (faster steps, less memory on one H200: BENCHMARKS.md); 'auto': unroll on a GPU.
     # It decides the parameter tree: a run saves the resolved value. The full-size configs name 'scan'.
@@ -213,6 +215,7 @@ _TABLES = {
     "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),
     "model.layer_loop": ("k3.model", "LAYER_LOOPS"),
+    "model.ce_impl": ("k3.model", "CROSS_ENTROPY"),
     "model.attn_res_impl": ("k3.attn_res", "MIX_BACKENDS"),
     "model.moe.balancing": ("k3.moe.balancing", "BALANCERS"),
     "optim.newton_schulz": ("k3.optim", "NEWTON_SCHULZ"),

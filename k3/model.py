@@ -271,6 +271,7 @@ class Model(nnx.Module):
         self.sharder = sharder
         self.remat = cfg.remat
         self.ce_chunk = cfg.ce_chunk
+        self.ce_impl = cfg.ce_impl
         self.remat_policy = REMAT_POLICIES.get(cfg.remat_policy)()
         self.n_layers, self.residual, self.dtype = cfg.n_layers, cfg.residual, jnp.dtype(cfg.dtype)
         self.n_slots = attn_res.n_bank_slots(cfg.n_layers, cfg.attn_res_block_size)
@@ -335,7 +336,7 @@ class Model(nnx.Module):
         (`linear_cross_entropy`)."""
         if not self.ce_chunk:
             logits, aux = self(tokens_BT, segment_ids_BT)
-            return cross_entropy(logits, targets_BT, mask_BT), aux
+            return CROSS_ENTROPY[self.ce_impl](logits, targets_BT, mask_BT), aux
         h, stats = self.hidden(tokens_BT, segment_ids_BT)
         mask = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT
         loss = linear_cross_entropy(h, cast(self.lm_head, self.dtype), targets_BT, mask, self.ce_chunk)
@@ -536,11 +537,10 @@ def linear_cross_entropy(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Arra
     chunks of ``chunk`` tokens (the last one padded with masked tokens), and the forward and backward
     passes each compute one chunk's [B, chunk, V] logits at a time, in fp32 from the GEMM.
 
-    Why: XLA writes and reads the whole fp32 logits array several times per step (the convert,
-    softmax, its reductions and their backward): 2.1 GB per pass at 32K tokens and a 16,384-token
-    vocabulary, and the largest activation of the step at K3's 163,840 (BENCHMARKS.md). The price is
-    the logits' GEMM once more in the backward. Returns the mean loss (fp32 scalar); gradients for h
-    (h's dtype) and w (w's dtype).
+    Why: at K3's 163,840-token vocabulary the [B, T, V] logits are the step's largest activation
+    (BENCHMARKS.md); `cross_entropy` keeps them for the backward in the compute dtype. The price is
+    the logits' GEMM once more in the backward, and a scan's launches per chunk. Returns the mean loss
+    (fp32 scalar); gradients for h (h's dtype) and w (w's dtype).
     """
     B, T, _ = h_BTD.shape
     pad = -T % chunk
@@ -608,10 +608,61 @@ _linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None):
-    """Mean next-token cross-entropy in nats over unmasked positions (fp32 log-softmax)."""
+    """Mean next-token cross-entropy in nats over unmasked positions, for logits [..., V] (any float
+    dtype; the log-sum-exp in fp32, or float64 for float64 logits), int targets [...] and an optional
+    0/1 mask [...]. Gradient for the logits only, in their dtype.
+
+    A custom VJP keeps the passes over the logits to the few it needs: the forward reads them once
+    for the log-sum-exp (the target logits are a gather), the backward reads them once and writes
+    softmax - one-hot in their dtype. Differentiating the log-softmax instead left XLA about eight
+    fp32 passes over the [B, T, V] array per step (BENCHMARKS.md), at 32K tokens and a 16K vocabulary
+    about half of a small model's step.
+    """
+    acc = _acc(logits_BTV)
+    mask = jnp.ones(targets_BT.shape, acc) if mask_BT is None else mask_BT.astype(acc)
+    return _cross_entropy(logits_BTV, targets_BT, mask)
+
+
+def _ce_terms(logits, targets, mask):
+    """(mean loss, lse [...], count) with lse the fp32 log-sum-exp over the last axis."""
+    z = logits.astype(mask.dtype)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    z_t = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(mask.dtype)
+    count = jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum((lse - z_t) * mask) / count, lse, count
+
+
+@jax.custom_vjp
+def _cross_entropy(logits, targets, mask):
+    return _ce_terms(logits, targets, mask)[0]
+
+
+def _cross_entropy_fwd(logits, targets, mask):
+    loss, lse, count = _ce_terms(logits, targets, mask)
+    return loss, (logits, targets, mask, lse, count)
+
+
+def _cross_entropy_bwd(res, g):
+    logits, targets, mask, lse, count = res
+    z = logits.astype(lse.dtype)
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
+    dz = (jnp.exp(z - lse[..., None]) - hit.astype(z.dtype)) * (mask * (g / count))[..., None]
+    return dz.astype(logits.dtype), None, None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def cross_entropy_autodiff(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None):
+    """`cross_entropy` as autodiff of the fp32 log-softmax (same shapes and value; XLA's backward makes
+    several more fp32 passes over the logits). Kept as ``model.ce_impl='autodiff'`` for comparisons."""
     logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
     if mask_BT is None:
         return jnp.mean(nll)
     mask = mask_BT.astype(jnp.float32)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+# model.ce_impl: the loss over the whole [B, T, V] logits (model.ce_chunk = 0).
+CROSS_ENTROPY = {"custom_vjp": cross_entropy, "autodiff": cross_entropy_autodiff}

@@ -598,10 +598,9 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
       transient    the largest single transient of any layer (all-to-all buffers, attention-score
                    gradients or QK-Clip logits)
-      LM head      N V_l (a + f): the logits and their fp32 log-softmax, which XLA keeps (compiled
-                   for an H200, K3 1024:12 at 32K tokens: vocabulary 4,096 -> 163,840 adds 5.4 bytes
-                   per logit); N is one chunk's tokens with ``model.ce_chunk``; plus the gathered LM
-                   head weight and its unreduced gradient
+      LM head      N V_l b: the logits kept for the backward and what it writes beside them, b bytes
+                   per logit (`lm_head_bytes_per_logit`); N is one chunk's tokens with
+                   ``model.ce_chunk``; plus the gathered LM head weight and its unreduced gradient
     peak = carries + kept layers + max(working set + transient, LM head).
     """
     m = cfg.model
@@ -642,7 +641,7 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
     V_l = m.vocab_size // lay.vocab_div
     # With model.ce_chunk the loss forms one chunk's logits at a time (and keeps an fp32 logsumexp per token).
     N_ce = lay.micro * min(m.ce_chunk, lay.t) if m.ce_chunk else N
-    out["lm_head"] = (N_ce * V_l * (a + 4) + 2 * gather_bytes["lm_head"] + 2 * N * D * a
+    out["lm_head"] = (N_ce * V_l * lm_head_bytes_per_logit(m) + 2 * gather_bytes["lm_head"] + 2 * N * D * a
                       + (4 * N if m.ce_chunk else 0))
     out["peak"] = (out["carries"] + out["kept_layers"] + out["kept_weights"] + out["kept_inputs"]
                    + max(out["working_set"] + out["transient"], out["lm_head"]))
@@ -650,6 +649,23 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
     out["unrolled_layers"] = unrolled
     out["by_kind"] = {f"{mk}/{fk}": {t: v for t, v in r.items()} for (mk, fk), r in by_kind.items()}
     return out
+
+
+def lm_head_bytes_per_logit(m) -> float:
+    """Bytes per [token, vocabulary] logit that the loss holds at its peak, for ``cfg.model``.
+
+    - whole logits, ``model.ce_impl='custom_vjp'``: the logits in the compute dtype, kept for the
+      backward, whose gradient XLA writes in their place: a (compiled for an H200, K3 1024:12 at 32K
+      tokens: vocabulary 4,096 -> 163,840 adds 2.2 bytes per logit to the temporaries with bf16);
+    - whole logits, 'autodiff': the logits and their fp32 log-softmax, which XLA keeps: a + 4
+      (compiled for an H200, K3 1024:12 at 32K tokens: vocabulary 4,096 -> 163,840 added 5.4 bytes
+      per logit with bf16 logits);
+    - ``model.ce_chunk`` > 0: one chunk's logits in fp32 from the GEMM and their exponentials: a + 4.
+    """
+    a = np.dtype(m.dtype).itemsize
+    if not m.ce_chunk and m.ce_impl == "custom_vjp":
+        return float(a)
+    return a + 4.0
 
 
 def saved_residual_bytes(cfg, batch: int, seq: int, platform: str = "gpu") -> float:

@@ -119,6 +119,8 @@ def test_ladder_mode_names_a_bad_ladder_or_arm_before_compiling(tmp_path):
         A.main(["--ladder=experiments/configs/ladder_1e16.py", "--arms=k9"])
     with pytest.raises(SystemExit, match="unknown job"):
         A.main(["--ladder=experiments/configs/ladder_1e16.py", "--jobs=mains"])
+    with pytest.raises(SystemExit, match="unknown config key model.nope"):  # --set reaches every run's config
+        A.main(["--ladder=experiments/configs/ladder_1e16.py", "--arms=k2", "--set", "model.nope=1"])
 
 
 def test_floor_gaps_set_each_traced_op_against_its_floor():

@@ -310,10 +310,58 @@ def test_linear_cross_entropy_equals_the_logits_form_float64(x64, B, T, chunk):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("shape, masked", [((2, 13, 11), True), ((1, 1, 5), False), ((3, 7, 1), True),
+                                           ((4, 6, 40), False)])
+def test_cross_entropy_and_its_gradient_equal_the_log_softmax_form_float64(x64, shape, masked):
+    """`cross_entropy`'s own VJP against autodiff of the log-softmax form, in float64: awkward
+    shapes, one token, a one-word vocabulary, with and without a mask, logits far from 0."""
+    from k3.model import cross_entropy
+
+    rng = np.random.default_rng(sum(shape))
+    z = jnp.asarray(rng.normal(size=shape) * 6.0 + 40.0)
+    t = jnp.asarray(rng.integers(0, shape[-1], shape[:-1]), jnp.int32)
+    mask = None
+    if masked:
+        mask = jnp.asarray(rng.random(shape[:-1]) < 0.7, jnp.float64).at[(0,) * (len(shape) - 1)].set(1.0)
+
+    def ref(z):
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), t[..., None], axis=-1)[..., 0]
+        return jnp.mean(nll) if mask is None else jnp.sum(nll * mask) / jnp.sum(mask)
+
+    (lr, gr), (lo, go) = (jax.value_and_grad(f)(z) for f in (ref, lambda z: cross_entropy(z, t, mask)))
+    assert lo.dtype == go.dtype == jnp.float64
+    np.testing.assert_allclose(lo, lr, rtol=1e-13)
+    np.testing.assert_allclose(go, gr, rtol=1e-10, atol=1e-15)
+    if masked:  # masked positions get no gradient
+        assert not np.any(np.asarray(go)[np.asarray(mask) == 0])
+
+
+def test_cross_entropy_of_bf16_logits_takes_fp32_and_returns_a_bf16_gradient():
+    """bf16 logits: the loss in fp32 equals the fp32 form on the same (rounded) logits, and the
+    gradient comes back in bf16 within its rounding."""
+    from k3.model import cross_entropy
+
+    rng = np.random.default_rng(5)
+    z16 = jnp.asarray(rng.normal(size=(3, 9, 50)) * 3, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, 50, (3, 9)), jnp.int32)
+    mask = jnp.asarray(rng.random((3, 9)) < 0.8, jnp.float32)
+
+    def ref(z):
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), t[..., None], axis=-1)[..., 0]
+        return jnp.sum(nll * mask) / jnp.sum(mask)
+
+    lo, go = jax.value_and_grad(cross_entropy)(z16, t, mask)
+    lr, gr = jax.value_and_grad(ref)(z16.astype(jnp.float32))
+    assert lo.dtype == jnp.float32 and go.dtype == jnp.bfloat16
+    assert float(lo) == pytest.approx(float(lr), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(go, np.float32), gr, rtol=1e-2, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype, loss_rel, grad_rel", [("float32", 1e-6, 1e-4), ("bfloat16", 1e-3, 0.05)])
 def test_ce_chunk_train_loss_and_gradients_match_the_whole_logits(dtype, loss_rel, grad_rel):
-    """A tiny K3's training loss and gradients with model.ce_chunk against the whole-logits loss: equal
-    in fp32; in bf16 within the rounding of the logits (the chunked form keeps them in fp32)."""
+    """A tiny K3's training loss and gradients with model.ce_chunk, and with the whole logits' own VJP
+    (model.ce_impl='custom_vjp'), against autodiff of the whole logits' log-softmax: equal in fp32; in
+    bf16 within the rounding of the logits (the chunked form keeps them in fp32)."""
     from k3.config import default_config
     from k3.steps import make_run
 
@@ -322,16 +370,23 @@ def test_ce_chunk_train_loss_and_gradients_match_the_whole_logits(dtype, loss_re
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((2, 20), np.int32),
              "loss_mask": (rng.random((2, 20)) < 0.9).astype(np.float32)}
     out, evals = {}, {}
-    for chunk in (0, 8):
+    for chunk, impl in ((0, "autodiff"), (0, "custom_vjp"), (8, "custom_vjp")):
         cfg = default_config()
-        cfg.model = tiny_model_cfg(dtype=dtype, ce_chunk=chunk)
+        cfg.model = tiny_model_cfg(dtype=dtype, ce_chunk=chunk, ce_impl=impl)
         run, state = make_run(cfg)
         (loss, _), grads = jax.value_and_grad(run.loss_fn, has_aux=True)(state["params"], state["rest"], batch)
-        out[chunk] = float(loss), jax.tree.leaves(grads)
-        evals[chunk] = [float(x) for x in run.eval_step(state, batch)]
-    assert out[8][0] == pytest.approx(out[0][0], rel=loss_rel)
-    assert evals[8][1] == evals[0][1] == float(batch["loss_mask"].sum())
-    assert evals[8][0] == pytest.approx(evals[0][0], rel=loss_rel)
-    for a, b in zip(out[8][1], out[0][1], strict=True):
+        out[chunk, impl] = float(loss), jax.tree.leaves(grads)
+        evals[chunk, impl] = [float(x) for x in run.eval_step(state, batch)]
+    ref = (0, "autodiff")
+    # The whole logits' own VJP: the same logits and fp32 reductions, so equal up to summation order.
+    assert out[0, "custom_vjp"][0] == pytest.approx(out[ref][0], rel=1e-6)
+    for a, b in zip(out[0, "custom_vjp"][1], out[ref][1], strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= (1e-5 if dtype == "float32" else 0.01) * np.linalg.norm(b) + 1e-7
+    got = (8, "custom_vjp")
+    assert out[got][0] == pytest.approx(out[ref][0], rel=loss_rel)
+    assert evals[got][1] == evals[ref][1] == float(batch["loss_mask"].sum())
+    assert evals[got][0] == pytest.approx(evals[ref][0], rel=loss_rel)
+    for a, b in zip(out[got][1], out[ref][1], strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= grad_rel * np.linalg.norm(b) + 1e-7

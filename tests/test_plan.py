@@ -416,14 +416,17 @@ def test_optimizer_transient_bounds_xla_temporaries(mu_dtype, ns):
     assert 0 < work["largest"] < work["transient"] == pytest.approx(planned)
 
 
-def test_lm_head_term_counts_one_chunk_of_logits_with_ce_chunk():
-    """With model.ce_chunk the LM-head term holds one chunk's logits (micro rows x chunk positions)
-    plus a fp32 logsumexp per token, instead of every token's logits."""
+def test_lm_head_term_follows_the_loss_form():
+    """The LM-head term: the whole logits once in the compute dtype with the loss's own VJP (their
+    gradient takes their place), logits plus fp32 log-softmax under autodiff, and with model.ce_chunk
+    one chunk's logits (micro rows x chunk positions) plus a fp32 logsumexp per token."""
     terms = {}
-    for chunk in (0, 16):
+    for chunk, impl in ((0, "custom_vjp"), (0, "autodiff"), (16, "custom_vjp")):
         cfg = _cfg()
-        cfg.model.vocab_size, cfg.model.ce_chunk = 4096, chunk
+        cfg.model.vocab_size, cfg.model.ce_chunk, cfg.model.ce_impl = 4096, chunk, impl
+        cfg.model.dtype = "bfloat16"
         est = P.plan(P.load_model(cfg), ONE, "h200", batch=4, seq=64, remat=False)
-        terms[chunk] = est["memory"]["activation_terms"]["lm_head"]
-    a, N = 4 if _cfg().model.dtype == "float32" else 2, 4 * 64
-    assert terms[0] - terms[16] == pytest.approx((N - 4 * 16) * 4096 * (a + 4) - 4 * N)
+        terms[chunk, impl] = est["memory"]["activation_terms"]["lm_head"]
+    a, N = 2, 4 * 64
+    assert terms[0, "autodiff"] - terms[0, "custom_vjp"] == pytest.approx(N * 4096 * 4)
+    assert terms[0, "autodiff"] - terms[16, "custom_vjp"] == pytest.approx((N - 4 * 16) * 4096 * (a + 4) - 4 * N)
