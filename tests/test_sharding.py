@@ -245,6 +245,10 @@ def test_workdir_of_an_older_schema_is_still_this_run(tmp_path):
     cfg.model.moe.ep_dispatch = "padded"  # how, not what: not part of the identity
     assert "ep_dispatch" not in json.dumps(run_identity(cfg))
     check_workdir(cfg, tmp_path)
+    # The loss's form is how too: a run written before model.ce_impl (the autodiff form) resumes under either.
+    for impl in ("autodiff", "custom_vjp"):
+        cfg.model.ce_impl = impl
+        assert "ce_impl" not in json.dumps(run_identity(cfg)) and check_workdir(cfg, tmp_path) is True
 
 
 def test_layer_loop_follows_the_run_in_the_workdir(tmp_path):
