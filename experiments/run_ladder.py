@@ -792,26 +792,30 @@ def main(argv=None) -> int:
     from k3.data.pipeline import prepare_data
 
     out.mkdir(parents=True, exist_ok=True)
-    t_data = time.perf_counter()
-    try:
-        data = prepare_data(todo[0]["cfg"], out / "data")
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"data: {data.train.num_tokens:,} training tokens, {data.val.num_tokens:,} held out; ready in "
-          f"{time.perf_counter() - t_data:.0f}s ({time.perf_counter() - t_start:.0f}s since start)", flush=True)
-    try:
-        check_epochs(runs, data.train.num_tokens, ladder.max_epochs)
-    except LadderError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if data.tokenizer.vocab_size > ladder.data.vocab_size:
-        print(f"error: the tokenizer has {data.tokenizer.vocab_size} tokens but data.vocab_size is "
-              f"{ladder.data.vocab_size}", file=sys.stderr)
-        return 2
-    kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
     ahead = None if a.no_compile_ahead else CompileAhead(ladder)
     try:
+        # The first run's programs compile while the data is prepared (its model needs no data).
+        first = next((r for r in todo if not _too_late(r, 0.0, speed, a.deadline_s)), None)
+        if ahead is not None and first is not None:
+            ahead.submit(first)
+        t_data = time.perf_counter()
+        try:
+            data = prepare_data(todo[0]["cfg"], out / "data")
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"data: {data.train.num_tokens:,} training tokens, {data.val.num_tokens:,} held out; ready in "
+              f"{time.perf_counter() - t_data:.0f}s ({time.perf_counter() - t_start:.0f}s since start)", flush=True)
+        try:
+            check_epochs(runs, data.train.num_tokens, ladder.max_epochs)
+        except LadderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if data.tokenizer.vocab_size > ladder.data.vocab_size:
+            print(f"error: the tokenizer has {data.tokenizer.vocab_size} tokens but data.vocab_size is "
+                  f"{ladder.data.vocab_size}", file=sys.stderr)
+            return 2
+        kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
         return _train_all(todo, ladder, data, out, done, kill, speed, ahead, a.deadline_s, t_start)
     finally:
         if ahead is not None:
@@ -823,13 +827,18 @@ def _estimate_s(run: dict, speed: dict) -> float | None:
     return run_flops(run) / speed[run["arm"]] if run["arm"] in speed else None
 
 
+def _too_late(run: dict, start_s: float, speed: dict, deadline_s: float) -> bool:
+    """Whether ``run``, started ``start_s`` seconds in, would pass the deadline (30 s to spare)."""
+    est = _estimate_s(run, speed)
+    return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
+
+
 def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_start) -> int:
     """Trains ``todo`` in order, skipping what the deadline leaves no time for; the exit status."""
     from k3.steps import RunError
 
     def too_late(run, start_s):
-        est = _estimate_s(run, speed)
-        return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
+        return _too_late(run, start_s, speed, deadline_s)
 
     cache = CacheCounter()
     for i, r in enumerate(todo):

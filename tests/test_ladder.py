@@ -365,8 +365,9 @@ def test_compile_ahead_close_waits_for_the_compile_under_way_and_drops_the_queue
 
 @pytest.mark.slow
 def test_next_run_finds_its_programs_compiled_ahead(tmp_path):
-    """While a run trains, the next run's programs are compiled into the persistent cache: with an
-    empty cache, the second size (other shapes) compiles nothing itself."""
+    """The first run's programs are compiled while the data is prepared, and while a run trains the
+    next run's: with an empty cache, the first size compiles at most two small one-off programs of
+    the process itself, the second size nothing."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONUNBUFFERED"] = "1"
@@ -378,8 +379,8 @@ def test_next_run_finds_its_programs_compiled_ahead(tmp_path):
     counts = [tuple(map(int, m.groups())) for m in re.finditer(r"programs: (\d+) from the compilation cache, "
                                                                  r"(\d+) compiled", p.stdout)]
     assert len(counts) == 2, p.stdout
-    hits, compiled = counts[1]
-    assert compiled == 0 and hits >= 4, counts
+    (hits0, compiled0), (hits1, compiled1) = counts
+    assert hits0 >= 4 and compiled0 <= 2 and hits1 >= 4 and compiled1 == 0, counts
 
 
 @pytest.mark.slow
