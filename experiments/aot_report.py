@@ -16,7 +16,8 @@ with --decode, each context: one greedy step of `experiments.bench_decode`'s ser
 - kernels: what one step launches (fusions, custom calls, copies...; a loop body counts once per
   trip), so launch overhead can be estimated before a GPU is at hand;
 - floors: per `experiments.profile_step` category, the bytes every kernel must move (its operands
-  and results, once) and the FLOPs of its matmuls; a kernel cannot take less than
+  and results, once; an operand that a fusion only slices or gathers from, what it takes) and the
+  FLOPs of its matmuls; a kernel cannot take less than
   max(bytes / HBM bandwidth, FLOPs / peak), and the table sums those per category. A measured
   profile divided by these floors says where a step is furthest from the hardware.
 
@@ -273,7 +274,9 @@ def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -
         for line in lines:
             name, rtype, _, _ = _parse(line)
             shapes[name] = _shapes_bytes(rtype)
-    # Fused computations that only slice a parameter read the slices, not the whole operand.
+    # Fused computations that only slice or gather from a parameter (possibly through bitcasts) read
+    # what they take, not the whole operand (the loss's gather of the target logits, a layer's slice
+    # of a stacked weight).
     sliced = {}
     for c, lines in comps.items():
         params, uses = {}, collections.defaultdict(list)
@@ -282,9 +285,20 @@ def kernel_floors(hlo_text: str, *, hbm_bytes_per_s: float, peak_flops: float) -
             if op == "parameter":
                 params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
             for pos, (a, _) in enumerate(operands):
-                uses[a].append((op if pos == 0 else "", _shapes_bytes(rtype)[1]))
-        sliced[c] = {i: sum(b for _, b in uses[p]) for p, i in params.items()
-                     if uses[p] and all(op in ("dynamic-slice", "slice") for op, _ in uses[p])}
+                uses[a].append((op if pos == 0 else "", _shapes_bytes(rtype)[1], name))
+
+        def taken(value, depth=0):
+            """(opcode, bytes) of the uses of ``value``, looking through bitcasts."""
+            out = []
+            for op, b, user in uses[value]:
+                out += taken(user, depth + 1) if op == "bitcast" and depth < 8 else [(op, b)]
+            return out
+
+        sliced[c] = {}
+        for p, i in params.items():
+            t = taken(p)
+            if t and all(op in ("dynamic-slice", "slice", "gather") for op, _ in t):
+                sliced[c][i] = sum(b for _, b in t)
     comp_ops = {c: " ".join(m.group(1) for m in map(_OP_NAME.search, lines) if m) for c, lines in comps.items()}
     dots_in = {c: [ln for ln in lines if re.search(r"\sdot\(", ln)] for c, lines in comps.items()}
     roots = {c: next((ln for ln in lines if ln.lstrip().startswith("ROOT")), "") for c, lines in comps.items()}

@@ -81,6 +81,33 @@ def test_kernels_bytes_flops_and_loop_trips_of_a_known_module():
                            hbm_bytes_per_s=1e12, peak_flops=1e14)["unknown_trip_loops"] == 1
 
 
+def test_a_fusion_that_gathers_from_a_parameter_reads_what_it_gathers():
+    """The loss's target-logit gather (through a bitcast, as XLA emits it) is charged the gathered
+    elements, not the [tokens, vocabulary] operand; the other operands are read whole."""
+    hlo = """HloModule jit_loss, is_scheduled=true
+
+%fused_gather (p0: bf16[8192,1024], p1: s32[8192,2]) -> bf16[8192,1] {
+  %p0 = bf16[8192,1024]{1,0} parameter(0)
+  %b = bf16[8,1024,1024]{2,1,0} bitcast(%p0)
+  %p1 = s32[8192,2]{1,0} parameter(1)
+  %g = bf16[8192,1,1]{2,1,0} gather(%b, %p1), offset_dims={1,2}, collapsed_slice_dims={0}, start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1,1}
+  ROOT %r = bf16[8192,1]{1,0} bitcast(%g)
+}
+
+ENTRY %main (z: bf16[8192,1024], t: s32[8192,2]) -> bf16[8192,1] {
+  %z = bf16[8192,1024]{1,0} parameter(0)
+  %t = s32[8192,2]{1,0} parameter(1)
+  ROOT %zt = bf16[8192,1]{1,0} fusion(%z, %t), kind=kLoop, calls=%fused_gather
+}
+"""
+    fl = A.kernel_floors(hlo, hbm_bytes_per_s=1e12, peak_flops=1e14)
+    (k,) = fl["kernels"]
+    assert k["bytes"] == 8192 * 2 + 8192 * 2 * 4 + 8192 * 2  # gathered + indices + result
+    also_read = hlo.replace("  ROOT %r", "  %n = bf16[8,1024,1024]{2,1,0} negate(%b)\n  ROOT %r")
+    whole = A.kernel_floors(also_read, hbm_bytes_per_s=1e12, peak_flops=1e14)["kernels"][0]
+    assert whole["bytes"] == 8192 * 1024 * 2 + 8192 * 2 * 4 + 8192 * 2  # another use reads it whole
+
+
 def test_target_text_and_errors():
     text = A.target_config_text(A.TARGETS["h200"])
     assert "core_count: 132" in text and "cuda_compute_capability { major: 9 minor: 0 }" in text
