@@ -590,12 +590,10 @@ def _linear_ce_fwd(h_nBcD, w_DV, t_nBc, m_nBc):
 
 def _linear_ce_bwd(res, g):
     h_nBcD, w_DV, t_nBc, m_nBc, lse, count = res
-    V = w_DV.shape[1]
 
     def one(dw_DV, xs):
         h, t, m, l = xs
-        z = _chunk_logits(h, w_DV)
-        dz = (jnp.exp(z - l[..., None]) - jax.nn.one_hot(t, V, dtype=z.dtype)) * (m * (g / count))[..., None]
+        dz = _softmax_minus_onehot(_chunk_logits(h, w_DV), l, t, m * (g / count))
         dz = dz.astype(h.dtype)  # the GEMMs below run in the compute dtype, accumulating in fp32
         dh = jnp.einsum("bcv,dv->bcd", dz, w_DV, preferred_element_type=_acc(h)).astype(h.dtype)
         return dw_DV + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=_acc(h)), dh
@@ -612,9 +610,9 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
     dtype; the log-sum-exp in fp32, or float64 for float64 logits), int targets [...] and an optional
     0/1 mask [...]. Gradient for the logits only, in their dtype.
 
-    A custom VJP keeps the passes over the logits to the few it needs: the forward reads them once
-    for the log-sum-exp (the target logits are a gather), the backward reads them once and writes
-    softmax - one-hot in their dtype. Differentiating the log-softmax instead left XLA about eight
+    A custom VJP keeps the passes over the logits to the few it needs: the forward reads them twice
+    for the log-sum-exp (max, then the sum of exponentials; the target logits are a gather), the
+    backward reads them once and writes softmax - one-hot in their dtype. Differentiating the log-softmax instead left XLA about eight
     fp32 passes over the [B, T, V] array per step (BENCHMARKS.md), at 32K tokens and a 16K vocabulary
     about half of a small model's step.
     """
@@ -642,11 +640,16 @@ def _cross_entropy_fwd(logits, targets, mask):
     return loss, (logits, targets, mask, lse, count)
 
 
+def _softmax_minus_onehot(z, lse, targets, weight):
+    """d loss / d logits for logits z [..., V] (accumulation dtype), their log-sum-exp [...], int
+    targets [...] and per-token weights [...] (mask times the loss's scale): weight (softmax - one-hot)."""
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
+    return (jnp.exp(z - lse[..., None]) - hit.astype(z.dtype)) * weight[..., None]
+
+
 def _cross_entropy_bwd(res, g):
     logits, targets, mask, lse, count = res
-    z = logits.astype(lse.dtype)
-    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
-    dz = (jnp.exp(z - lse[..., None]) - hit.astype(z.dtype)) * (mask * (g / count))[..., None]
+    dz = _softmax_minus_onehot(logits.astype(lse.dtype), lse, targets, mask * (g / count))
     return dz.astype(logits.dtype), None, None
 
 

@@ -598,8 +598,8 @@ def activation_estimate(cfg, lay: Layout, remat: bool, gather_bytes: dict, cast_
                    group's gathered weights and their unreduced gradients (FSDP gather buffers)
       transient    the largest single transient of any layer (all-to-all buffers, attention-score
                    gradients or QK-Clip logits)
-      LM head      N V_l b: the logits kept for the backward and what it writes beside them, b bytes
-                   per logit (`lm_head_bytes_per_logit`); N is one chunk's tokens with
+      LM head      N V_l b: what the loss holds at its peak, b bytes per logit
+                   (`lm_head_bytes_per_logit`); N is one chunk's tokens with
                    ``model.ce_chunk``; plus the gathered LM head weight and its unreduced gradient
     peak = carries + kept layers + max(working set + transient, LM head).
     """
