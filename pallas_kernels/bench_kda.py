@@ -77,6 +77,7 @@ KNOWN_IMPLS = ("pallas", "pallas_bf16", "reference", "fla", "jla")
 
 LOWER_BOUND = -5.0
 CHUNK_SIZE = 32
+TUNING = {}  # `chunk_kda(tuning=...)` of the pallas impls (--tuning)
 SEED = 0
 TOLERANCE = 2e-2
 
@@ -154,6 +155,20 @@ def parse_impls(text):
     if unknown or not impls:
         raise argparse.ArgumentTypeError(f"unknown impls {unknown}; expected a list from {KNOWN_IMPLS}")
     return list(dict.fromkeys(impls))  # dedupe, keep order
+
+
+def parse_tuning(text):
+    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward is an int)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--tuning: expected key=value, got {item!r}")
+        try:
+            out[key] = value if key == "backward" else int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tuning: {key} must be an integer, got {value!r}") from None
+    return out
 
 
 def shape_name(shape):
@@ -450,7 +465,7 @@ def make_impl(name, inputs, do, interpret):
 
         def core(q, k, v, g, beta):
             return chunk_kda(q, k, v, g, beta, chunk_size=CHUNK_SIZE, lower_bound=LOWER_BOUND,
-                             interpret=interpret, matmul_dtype=matmul_dtype)
+                             interpret=interpret, matmul_dtype=matmul_dtype, tuning=TUNING or None)
 
         return JaxImpl(name, core, inputs, do)
     if name == "fla":
@@ -748,6 +763,8 @@ def parse_args(argv=None):
                         f"recurrence on batch row 0, {ACCURACY_HEADS} heads, for T <= {ACCURACY_MAX_T}")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare outputs and gradients before timing (default on)")
+    p.add_argument("--tuning", type=parse_tuning, default={},
+                   help="knobs of the pallas impls, e.g. backward=two,bk=16,bp=16,bv=32 (chunk_kda's tuning)")
     args = p.parse_args(argv)
     if args.warmup < 0 or args.iters < 1:
         p.error("--warmup must be >= 0 and --iters >= 1")
@@ -757,15 +774,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    global CHUNK_SIZE
-    CHUNK_SIZE = args.chunk_size
+    global CHUNK_SIZE, TUNING
+    CHUNK_SIZE, TUNING = args.chunk_size, args.tuning
     interpret = jax.default_backend() == "cpu"  # the Pallas kernel runs interpreted on CPU only
     report = dict(
         versions=versions(),
         config=dict(
             shapes=[shape_name(s) for s in args.shapes], impls=args.impls, warmup=args.warmup, iters=args.iters,
             check=args.check, tolerance=TOLERANCE, seed=SEED, chunk_size=CHUNK_SIZE, lower_bound=LOWER_BOUND,
-            pallas_interpret=interpret,
+            pallas_interpret=interpret, pallas_tuning=TUNING,
             fwd_flop_per_token_head=FWD_FLOP_PER_TOKEN_HEAD, fwd_bwd_flop_per_token_head=FWD_BWD_FLOP_PER_TOKEN_HEAD,
             matmul_peak_flop_s=MATMUL_PEAK_FLOP_S, bandwidth_peak_b_s=BANDWIDTH_PEAK_B_S,
             fwd_bytes_per_token_head="2*K*3 + 4*K + 2 + 2*V",

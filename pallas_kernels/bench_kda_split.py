@@ -1,10 +1,12 @@
 """Where the Pallas KDA kernel's time goes: each of its kernels timed on its own.
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
-        [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split] [--out=FILE.json]
+        [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two]
+        [--kernels=state_fwd,...] [--out=FILE.json]
 
-A variant is chunk_size:matmul_dtype[:bk[:bki[:bp]]] (key blocks of the strip backward and of the
-inter-chunk backward, column block of the pairs backward; 0 or absent: the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
+A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv]]]] (key blocks of the strip backward and of the
+inter-chunk backward, column block of the pairs backward, value block of the state chains; 0 or absent:
+the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
 launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels after the reverse chain
 (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
 [-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
@@ -36,11 +38,11 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
-def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, launch=(), kernels=None, backward="auto"):
+def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, launch=(), kernels=None, backward="auto"):
     """Median ms and compile s of each forward and backward kernel for one shape and variant.
 
     bk, bki: key blocks of the strip and inter-chunk backward kernels, bp: column block of the pairs
-    backward kernel (0: the module's defaults);
+    backward kernels, bv: value block of the state chains (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
     time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice."""
     B, T, H, K = shape
@@ -54,7 +56,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, launch=(), kerne
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
-    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, launch=launch, backward=backward)
+    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, launch=launch, backward=backward)
     wanted = set(kernels or P._LAUNCH)
     rows = {}
 
@@ -73,12 +75,18 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, launch=(), kerne
     if cfg.backward == "fused":
         timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a), (q, k, v, G, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
         return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
+    if cfg.backward == "two":
+        pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn)
+        timed("pairs_h_bwd", lambda *a: P._pairs_bwd(cfg, *a, h=h), pairs_args)
+        _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args, h=h)
+        timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a), (q, k, G, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
+        return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
     inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
     timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
     dq0, dk0, dG0, dw = P._inter_bwd(cfg, *inter_args)
     pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn, dw)
-    timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a), pairs_args)
-    _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args)
+    timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a[:-1], dw=a[-1]), pairs_args)
+    _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args[:-1], dw=dw)
     timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, beta, mf, Tm, dw, dA, dL, dq0, dk0, dG0))
     return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
 
@@ -102,6 +110,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--launch", type=parse_launch, default=())
     p.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
+    p.add_argument("--kernels", default="", help="comma-separated kernels to time (default: all)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
@@ -112,7 +121,7 @@ def main(argv=None):
         chunk, dtype, *blocks = variant.split(":")
         try:
             rows = split(shape, int(chunk), dtype, args.iters, *(int(b) for b in blocks), launch=args.launch,
-                         backward=args.backward)
+                         backward=args.backward, kernels=[k for k in args.kernels.split(",") if k] or None)
         except Exception as exc:  # keep the other variants
             report["variants"][variant] = dict(error=repr(exc)[:500])
             print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)

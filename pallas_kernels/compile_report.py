@@ -1,7 +1,7 @@
 """What the GPU compiler makes of each Pallas Triton kernel, without a GPU: registers, spills, shared memory.
 
     python -m pallas_kernels.compile_report [--kernels=kda] [--shape=8x4096x16x128]
-        [--variants=32:bfloat16] [--launch=pairs_bwd=8/1,...] [--backward=auto|fused|split]
+        [--variants=32:bfloat16] [--launch=pairs_bwd=8/1,...] [--backward=auto|fused|split|two]
         [--arch=9.0] [--json=FILE]
 
 Every Pallas kernel of a whole train step: `python -m experiments.aot_report --registers ...`.
@@ -178,7 +178,7 @@ def report(fn, *args, arch: str = "9.0", ptxas: str = "") -> list[dict]:
     return rows
 
 
-def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki: int = 0, bp: int = 0, *,
+def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki: int = 0, bp: int = 0, bv: int = 0, *,
                          launch=(), backward: str = "auto"):
     """(fn, args): `pallas_kernels.kda`'s forward and backward kernels for one variant, as abstract
     shapes (bf16 q, k, v; fp32 g, beta), with the key blocks, launches and backward of
@@ -194,7 +194,7 @@ def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki:
         cfg, inputs = P._prepare(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None,
                                  interpret=False, chunk_size=chunk, lower_bound=-5.0, check_gate=False,
                                  matmul_dtype=matmul_dtype)
-        cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, launch=launch, backward=backward)
+        cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, launch=launch, backward=backward)
         o, _ = P._kda(cfg, *inputs)
         return o.astype(jnp.float32).sum()
 
@@ -221,7 +221,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default="kda", choices=("kda",))
     ap.add_argument("--shape", default="8x4096x16x128", help="B x T x H x K (K = V)")
     ap.add_argument("--variants", default="32:bfloat16",
-                    help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp]]], as bench_kda_split")
+                    help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp[:bv]]]], as bench_kda_split")
     ap.add_argument("--launch", type=parse_launch, default=(), help="kernel=warps/stages,...")
     ap.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
     ap.add_argument("--arch", default="9.0", help="compute capability to compile for (9.0: H100/H200)")

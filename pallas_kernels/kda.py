@@ -31,10 +31,12 @@ chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 be
                                              and dAqk over the whole chunk (dT summed over key blocks of
                                              BK), then per key block the terms through the states and,
                                              by row strips, dq, dk, dGamma; dbeta over all keys
-              or, K > 64, the same in three kernels (`_AFTER_CHAIN`):
+              or, K > 64, the same in three kernels ('split' in `_AFTER_CHAIN`):
               _inter_bwd   (NT, K/BKI, H, B) the terms through the states (dq, dk, dGamma parts; dw)
               _pairs_bwd   (NT, H, B)        whole-chunk: dv, dbeta (values), dL = -T^T dT T^T, dAqk
               _intra_bwd   (NT, K/BK, H, B)  by row strips: the rest of dq, dk, dGamma, dbeta (keys)
+              or in two ('two'): _pairs_bwd with the states instead of dw, and _keys_bwd
+              (NT, K/BK, H, B), the state and strip terms of one key block in one program
 
 Every kernel loads its operands before its first store: Triton cannot hoist a load above a store to
 another pointer, so interleaving them exposes each load's latency (this, with 4 warps, took the
@@ -135,7 +137,8 @@ class _Cfg:
 # Measured on the H200 at chunk 32 (BENCHMARKS.md): 4 warps beat 8 for every kernel; pipelining the
 # chains (stages 2) did not pay, as their next chunk's loads are already issued ahead by hand.
 _LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "output_fwd": (4, 1), "state_bwd": (4, 1),
-           "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1)}
+           "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1),
+           "pairs_h_bwd": (4, 1), "keys_bwd": (4, 1)}
 # Head dims up to _SMALL_K leave a 4-warp program mostly idle on its [C, K] tiles. Measured on the
 # H200 at 8x4096x32x32, chunk 32, bf16 (pallas_kernels/results/bench_kda_split_h200_k32_warps.json):
 # chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94;
@@ -430,21 +433,23 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
             dq_ref[rows, blk], dk_ref[rows, blk], dG_ref[rows, blk] = tiles[r]
 
 
-# The same backward as three kernels (inter-chunk terms, whole-chunk pairs, strips), the dq0/dk0/dG0/dw
-# and dA/dL intermediates going through memory: at K = 128 the fused kernel spills (BENCHMARKS.md).
+# The same backward in several programs per chunk, for key dims where the fused kernel spills (K = 128,
+# BENCHMARKS.md). 'split': three kernels (state terms, whole-chunk pairs, strips), dq0/dk0/dG0/dw and
+# dA/dL going through memory. 'two': the pairs kernel takes the state instead of dw, and one kernel per
+# key block does the state and the strip terms, so only dA/dL go through memory.
 
 
-def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
-                      dq_ref, dk_ref, dG_ref, dw_ref, *, cfg: _Cfg):
-    """One chunk, the terms through the states: o = qg S_in, S_out = decay S_in + kg^T v_new,
-    v_new = u - w S_in. One key block [C, BKI]; writes the first parts of dq, dk, dGamma and dw."""
+def _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref):
+    """One chunk and key block [C, BK], the terms through the states: o = qg S_in,
+    S_out = decay S_in + kg^T v_new, v_new = u - w S_in. Returns the first parts of dq, dk, dGamma
+    and dw, each [C, BK] fp32 (h_ref, dh_ref: S_in^T and dS_out^T [V, BK])."""
     f32, md, pm, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.C
     G = G_ref[...]
     G_end = G_ref[pl.ds(C - 1, 1), :]
     keep_state = mf_ref[pl.ds(C - 1, 1)][None, :]
-    Sh = h_ref[...].astype(md)  # S_in^T [V, K]
-    dSh = dh_ref[...].astype(md)  # dS_out^T [V, K]
-    dd = jnp.sum(h_ref[...].astype(f32) * dh_ref[...].astype(f32), axis=0)[None, :]  # d decay [1, K]
+    Sh = h_ref[...].astype(md)
+    dSh = dh_ref[...].astype(md)
+    dd = jnp.sum(h_ref[...].astype(f32) * dh_ref[...].astype(f32), axis=0)[None, :]  # d decay [1, BK]
     # qg = scale q e^Gamma on the rows that see the state
     dq = cfg.scale * jnp.exp(G) * mf_ref[...][:, None] * _mm(do_ref[...].astype(md), Sh, pm)
     # kg = k e^{Gamma_end - Gamma} on the rows of the chunk's last document
@@ -452,55 +457,16 @@ def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref
     kg_dkg = k_ref[...].astype(f32) * dk
     dG_end = keep_state * jnp.exp(G_end) * dd + jnp.sum(kg_dkg, axis=0)[None, :]
     last_row = _iota((C, 1), 0) == C - 1
-    dw = -_mm(dvn_ref[...].astype(md), Sh, pm)
-    dq_ref[...] = dq
-    dk_ref[...] = dk
-    dG_ref[...] = q_ref[...].astype(f32) * dq - kg_dkg + jnp.where(last_row, dG_end, 0.0)
-    dw_ref[...] = dw
+    dG = q_ref[...].astype(f32) * dq - kg_dkg + jnp.where(last_row, dG_end, 0.0)
+    return dq, dk, dG, -_mm(dvn_ref[...].astype(md), Sh, pm)
 
 
-def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
-                      dvn_ref, dw_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
-    """One chunk, whole-chunk matmuls (no decay factors needed): from dv_new and dw back through
-    u = T (beta v), w = T kb and T = (I + L)^-1 to dv, the value part of dbeta, dL [C, C] and
-    dAqk [C, C] (both masked to the pairs that exist). dT sums over the value and key channels in
-    column blocks of BP, so one block's [C, BP] operands are live at a time (at K = V = 128 the
-    whole-width form spilled 1.9 KB per thread, blocks of 32 spill 140 B; `compile_report`)."""
-    f32, pm, pt, C = jnp.float32, cfg.prec_mm, cfg.prec_tile, cfg.C
-    T = t_ref[...]
-    beta = beta_ref[...].astype(f32)[:, None]
-    bmf = beta * mf_ref[...][:, None]
-    dT = jnp.zeros((C, C), f32)
-    dv, dbeta = [], 0.0
-    for j in range(cfg.V // cfg.BP):
-        blk = pl.ds(j * cfg.BP, cfg.BP)
-        dvn, v = dvn_ref[:, blk], v_ref[:, blk].astype(f32)
-        dvb = _mm_tn(T, dvn, pt)
-        dT = dT + _mm_nt(dvn, beta * v, pt)
-        dv.append((beta * dvb).astype(dv_ref.dtype))
-        dbeta = dbeta + jnp.sum(v * dvb, axis=1)
-    for j in range(cfg.K // cfg.BP):
-        blk = pl.ds(j * cfg.BP, cfg.BP)
-        kb = bmf * k_ref[:, blk].astype(f32) * jnp.exp(G_ref[:, blk])
-        dT = dT + _mm_nt(dw_ref[:, blk], kb, pt)
-    row, col = _iota((C, C), 0), _iota((C, C), 1)
-    doc = doc_ref[...]
-    same = doc[:, None] == doc[None, :]
-    dL = -_mm_nt(_mm_tn(T, dT, pt), T, pt)
-    dA = cfg.scale * _mm_nt(do_ref[...].astype(cfg.md), vn_ref[...].astype(cfg.md), pm)
-    for j, dv_j in enumerate(dv):
-        dv_ref[:, pl.ds(j * cfg.BP, cfg.BP)] = dv_j
-    dbeta_ref[...] = dbeta
-    dl_ref[...] = jnp.where((row > col) & same, dL, 0.0)
-    da_ref[...] = jnp.where((row >= col) & same, dA, 0.0)
-
-
-def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
-                      dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
+def _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw, dq, dk, dG):
     """One chunk and key block [C, BK], by row strips: from dw (w = T kb) and dL, dAqk back through
-    the strip factorisation of `_strip` to dq, dk, dGamma (added to the inter-chunk parts) and this
-    key block's part of dbeta. Per strip r with P = (x_r row_f) (k col_f)^T:
-    d(x_r) = row_f (dP kc), d(k) = col_f (dP^T xr), dGamma_r += xr (dP kc), dGamma -= kc (dP^T xr)."""
+    the strip factorisation of `_strip`, added to the parts dq, dk, dGamma [C, BK] fp32 so far. Per
+    strip r with P = (x_r row_f) (k col_f)^T: d(x_r) = row_f (dP kc), d(k) = col_f (dP^T xr),
+    dGamma_r += xr (dP kc), dGamma -= kc (dP^T xr). Returns per row strip (dq, dk, dGamma [16, BK],
+    this key block's part of dbeta [16])."""
     f32, pt, C = jnp.float32, cfg.prec_tile, cfg.C
     nb = C // _SUB
     k = k_ref[...].astype(f32)
@@ -508,10 +474,10 @@ def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_r
     mf = mf_ref[...]
     bmf = (beta * mf)[:, None]
     eG = jnp.exp(G_ref[...])
-    dkb = _mm_tn(t_ref[...], dw_ref[...], pt)  # w = T kb, kb = beta mf k e^Gamma
+    dkb = _mm_tn(t_ref[...], dw, pt)  # w = T kb, kb = beta mf k e^Gamma
     k_eG_dkb = k * eG * dkb
-    dk = dk0_ref[...] + bmf * eG * dkb
-    dG = dG0_ref[...] + bmf * k_eG_dkb
+    dk = dk + bmf * eG * dkb
+    dG = dG + bmf * k_eG_dkb
     dbeta = mf * jnp.sum(k_eG_dkb, axis=1)
 
     # Column-side terms accumulate over the strips in [C, BK]; row-side terms stay per strip.
@@ -532,14 +498,110 @@ def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_r
         row_dq.append(row_f * Xq)
         row_dk.append(row_f * Xk)
         row_dG.append(rq * Xq + rk * Xk)
+    tiles = zip(_row_tiles(dq, nb), _row_tiles(dk, nb), _row_tiles(dG, nb), _row_tiles(dbeta, nb))
+    return [(dq_r + row_dq[r], dk_r + row_dk[r], dG_r + row_dG[r], db_r + row_dbeta[r])
+            for r, (dq_r, dk_r, dG_r, db_r) in enumerate(tiles)]
 
-    tiles = zip(_row_tiles(dq0_ref[...], nb), _row_tiles(dk, nb), _row_tiles(dG, nb), _row_tiles(dbeta, nb))
-    for r, (dq_r, dk_r, dG_r, db_r) in enumerate(tiles):
+
+def _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref):
+    for r, (dq, dk, dG, dbeta) in enumerate(strips):
         rows = pl.ds(r * _SUB, _SUB)
-        dq_ref[rows, :] = (dq_r + row_dq[r]).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dk_r + row_dk[r]).astype(dk_ref.dtype)
-        dG_ref[rows, :] = dG_r + row_dG[r]
-        dbeta_ref[rows] = db_r + row_dbeta[r]
+        dq_ref[rows, :] = dq.astype(dq_ref.dtype)
+        dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+        dG_ref[rows, :] = dG
+        dbeta_ref[rows] = dbeta
+
+
+def _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref, *,
+                 dw_ref=None, h_ref=None):
+    """One chunk, whole-chunk matmuls: from dv_new and dw back through u = T (beta v), w = T kb and
+    T = (I + L)^-1. Returns dv [C, V] (as column blocks of BP), the value part of dbeta [C], dL and dAqk
+    [C, C] (masked to the pairs that exist).
+
+    dT = dv_new (beta v)^T + dw kb^T sums over the value and key channels in column blocks of BP, so one
+    block's [C, BP] operands are live at a time (at K = V = 128 the whole-width form spilled 1.9 KB per
+    thread, blocks of 32 spill 140 B; `compile_report`). With dw_ref [C, K] (from `_inter_bwd_kernel`)
+    the key part is its own loop. With h_ref (S_in^T [V, K]) instead, dw = -dv_new S_in^T is not
+    formed: dT = dv_new (beta v - kb S_in)^T, one [C, K] x [K, BP] product per value block."""
+    f32, md, pm, pt, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.C
+    T = t_ref[...]
+    beta = beta_ref[...].astype(f32)[:, None]
+    bmf = beta * mf_ref[...][:, None]
+    if h_ref is not None:
+        kb_m = (bmf * k_ref[...].astype(f32) * jnp.exp(G_ref[...])).astype(md)
+    dT = jnp.zeros((C, C), f32)
+    dv, dbeta = [], 0.0
+    for j in range(cfg.V // cfg.BP):
+        blk = pl.ds(j * cfg.BP, cfg.BP)
+        dvn, v = dvn_ref[:, blk], v_ref[:, blk].astype(f32)
+        dvb = _mm_tn(T, dvn, pt)
+        z = beta * v
+        if h_ref is not None:
+            z = z - _mm_nt(kb_m, h_ref[blk, :].astype(md), pm)
+        dT = dT + _mm_nt(dvn, z, pt)
+        dv.append(beta * dvb)
+        dbeta = dbeta + jnp.sum(v * dvb, axis=1)
+    if dw_ref is not None:
+        for j in range(cfg.K // cfg.BP):
+            blk = pl.ds(j * cfg.BP, cfg.BP)
+            kb = bmf * k_ref[:, blk].astype(f32) * jnp.exp(G_ref[:, blk])
+            dT = dT + _mm_nt(dw_ref[:, blk], kb, pt)
+    row, col = _iota((C, C), 0), _iota((C, C), 1)
+    doc = doc_ref[...]
+    same = doc[:, None] == doc[None, :]
+    dL = -_mm_nt(_mm_tn(T, dT, pt), T, pt)
+    dA = cfg.scale * _mm_nt(do_ref[...].astype(md), vn_ref[...].astype(md), pm)
+    return dv, dbeta, jnp.where((row > col) & same, dL, 0.0), jnp.where((row >= col) & same, dA, 0.0)
+
+
+def _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref):
+    dv, dbeta, dL, dA = terms
+    for j, dv_j in enumerate(dv):
+        dv_ref[:, pl.ds(j * cfg.BP, cfg.BP)] = dv_j.astype(dv_ref.dtype)
+    dbeta_ref[...] = dbeta
+    dl_ref[...] = dL
+    da_ref[...] = dA
+
+
+def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
+                      dq_ref, dk_ref, dG_ref, dw_ref, *, cfg: _Cfg):
+    """One chunk and key block [C, BKI]: `_state_terms` into memory."""
+    dq, dk, dG, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref)
+    dq_ref[...], dk_ref[...], dG_ref[...], dw_ref[...] = dq, dk, dG, dw
+
+
+def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
+                      dvn_ref, dw_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
+    """One chunk: `_pairs_terms` with dw read from memory (written by `_inter_bwd_kernel`)."""
+    terms = _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
+                         dw_ref=dw_ref)
+    _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref)
+
+
+def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
+                      dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
+    """One chunk and key block [C, BK]: `_strip_terms` added to the state terms read from memory."""
+    strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw_ref[...],
+                          dq0_ref[...], dk0_ref[...], dG0_ref[...])
+    _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref)
+
+
+def _pairs_h_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
+                        h_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
+    """One chunk: `_pairs_terms` from the state entering the chunk (h_ref: S_in^T [V, K]) instead of
+    dw, so no [C, K] fp32 dw goes through memory."""
+    terms = _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
+                         h_ref=h_ref)
+    _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref)
+
+
+def _keys_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, ml_ref, t_ref, h_ref, dh_ref, do_ref, vn_ref,
+                     dvn_ref, da_ref, dl_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
+    """One chunk and key block [C, BK]: `_state_terms` and `_strip_terms` in one program, the state
+    terms and dw staying in registers."""
+    dq, dk, dG, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref)
+    strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw, dq, dk, dG)
+    _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -683,18 +745,21 @@ def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
                  [kblk] * 4, [f32] * 4)(q, k, G, mf, ml, h, dh, do, vn, dvn)
 
 
-def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw):
-    """dv [B, Tp, H, V], the value part of dbeta [B, Tp, H] fp32, dL and dAqk [B, Tp, H, C] fp32."""
+def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
+    """dv [B, Tp, H, V], the value part of dbeta [B, Tp, H] fp32, dL and dAqk [B, Tp, H, C] fp32, from
+    dw [B, Tp, H, K] fp32 ('split') or from the per-chunk states h [B, H, NT * V, K] ('two')."""
     B, Tp, H, K = k.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
-    tok, per_tok, per_row, _ = _chunk_specs(cfg)
+    tok, per_tok, per_row, state = _chunk_specs(cfg)
+    kernel, name, last, spec = ((_pairs_bwd_kernel, "pairs_bwd", dw, tok(K)) if h is None else
+                                (_pairs_h_bwd_kernel, "pairs_h_bwd", h, state))
     pairs = jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)
-    return _call(cfg, _pairs_bwd_kernel, "pairs_bwd", (NT, H, B),
-                 [tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V), tok(K)],
+    return _call(cfg, kernel, name, (NT, H, B),
+                 [tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V), spec],
                  [tok(V), per_tok, tok(C), tok(C)],
                  [jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32),
                   pairs, pairs],
-                 )(k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
+                 )(k, v, G, beta, doc, mf, T, do, vn, dvn, last)
 
 
 def _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
@@ -717,15 +782,41 @@ def _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
 def _split_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
     """`_chunk_bwd`'s outputs from the three split kernels."""
     dq0, dk0, dG0, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
-    dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw)
+    dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw=dw)
     dq, dk, dG, dbeta_k = _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
+    return dq, dk, dv, dG, dbeta_v + jnp.sum(dbeta_k, axis=0)
+
+
+def _keys_bwd(cfg, q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL):
+    """dq, dk [B, Tp, H, K], dGamma [B, Tp, H, K] fp32 and the key blocks' parts of dbeta
+    [K / BK, B, Tp, H] fp32, the state terms formed in the same program as the strip terms."""
+    B, Tp, H, K = q.shape
+    C, BK, V, NT = cfg.C, cfg.BK, cfg.V, cfg.NT
+    nk = K // BK
+    kblk, tok, per_tok, per_row = _kblock_specs(cfg, BK)
+    state = pl.BlockSpec((None, None, V, BK), lambda n, j, h, b: (b, h, n, j))
+    part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
+    return _call(cfg, _keys_bwd_kernel, "keys_bwd", (NT, nk, H, B),
+                 [kblk, kblk, kblk, per_tok, per_row, per_row, tok(C), state, state, tok(V), tok(V), tok(V),
+                  tok(C), tok(C)],
+                 [kblk, kblk, kblk, part],
+                 [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
+                  jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
+                 )(q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL)
+
+
+def _two_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+    """`_chunk_bwd`'s outputs from the pairs kernel that takes the states and the per-key-block kernel."""
+    dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, h=h)
+    dq, dk, dG, dbeta_k = _keys_bwd(cfg, q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL)
     return dq, dk, dv, dG, dbeta_v + jnp.sum(dbeta_k, axis=0)
 
 
 # What runs after the reverse state chain (`_Cfg.backward`). Measured on the H200 at chunk 32
 # (BENCHMARKS.md): fused 3.9 ms against split 5.2 ms at K = 32; at K = 128 the fused program spills
 # (11.1 ms with one key block of 128, 29.3 with two of 64) and split takes 5.8 ms.
-_AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd}
+_AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd, "two": _two_bwd}
 _FUSED_MAX_K = 64
 
 
@@ -850,22 +941,28 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     return cfg, (qp, kp, vp, G, betap, h0t, docf, mf, ml)
 
 
-def with_overrides(cfg, *, bk=0, bki=0, bp=0, launch=(), backward="auto"):
+_TUNING = frozenset({"bk", "bki", "bp", "bv", "launch", "backward"})
+
+
+def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, launch=(), backward="auto"):
     """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
-    backward) and column block bp (pairs backward; 0 keeps each default), ((kernel, warps, stages), ...)
-    launches over `_LAUNCH`, and an `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim)."""
+    backward), column block bp (pairs backward) and value block bv (the state chains; 0 keeps each
+    default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, and an `_AFTER_CHAIN` backward
+    ('auto' keeps the choice for the key dim)."""
     width = min(cfg.K, cfg.V)
-    for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width)):
+    for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V)):
         if blk and (blk < 16 or blk & (blk - 1) or (blk < dim and dim % blk)):
             raise ValueError(f"chunk_kda: {name} must be a power of two >= 16; got {blk}")
+    if backward not in ("auto", *_AFTER_CHAIN):
+        raise ValueError(f"chunk_kda: backward must be 'auto' or one of {sorted(_AFTER_CHAIN)}; got {backward!r}")
     return dataclasses.replace(cfg, BK=min(bk, cfg.K) if bk else cfg.BK, BKI=min(bki, cfg.K) if bki else cfg.BKI,
-                               BP=min(bp, width) if bp else cfg.BP, launch=tuple(launch),
-                               backward=cfg.backward if backward == "auto" else backward)
+                               BP=min(bp, width) if bp else cfg.BP, BV=min(bv, cfg.V) if bv else cfg.BV,
+                               launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               segment_ids=None, interpret=None, chunk_size=32, lower_bound=-5.0, check_gate=False,
-              matmul_dtype=None):
+              matmul_dtype=None, tuning=None):
     """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
 
     Same layout, conventions and return value as `k3.kda.ops.chunk_kda_reference`.
@@ -890,6 +987,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
         TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
         cores, at about twice the error of a bf16 output.
+      tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, launch, backward) replacing the
+        block sizes, Triton launches or backward plan chosen for the shape; the result is the same.
 
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
@@ -898,6 +997,11 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     cfg, args = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          segment_ids=segment_ids, interpret=interpret, chunk_size=chunk_size,
                          lower_bound=lower_bound, check_gate=check_gate, matmul_dtype=matmul_dtype)
+    if tuning:
+        unknown = sorted(set(tuning) - _TUNING)
+        if unknown:
+            raise ValueError(f"chunk_kda: unknown tuning keys {unknown}; expected some of {sorted(_TUNING)}")
+        cfg = with_overrides(cfg, **tuning)
     o, ht = _kda(cfg, *args)
     o = o[:, :T, :, :V0].astype(jnp.asarray(v).dtype)
     final = ht.swapaxes(-1, -2)[:, :, :K0, :V0] if output_final_state else None

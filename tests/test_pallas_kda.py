@@ -149,12 +149,14 @@ def test_packed_documents_equal_separate_runs(x64, chunk_size):
            chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("backward,bk,bp", [("fused", 32, 0), ("fused", 64, 0), ("split", 32, 0), ("split", 64, 16)])
-def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp):
-    """Both backward plans (`_AFTER_CHAIN`) at an awkward size against the gradient of the jnp chunked
+@pytest.mark.parametrize("backward,bk,bp,bv", [("fused", 32, 0, 0), ("fused", 64, 0, 32), ("split", 32, 0, 0),
+                                               ("split", 64, 16, 0), ("two", 32, 16, 16), ("two", 64, 0, 0)])
+def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp, bv):
+    """Every backward plan (`_AFTER_CHAIN`) at an awkward size against the gradient of the jnp chunked
     reference: T = 77 (not a multiple of the chunk), K = 48 padded to 64 (two key blocks of 32 when
-    bk = 32, one of 64 otherwise), V = 40, packed documents with boundaries inside chunks; the split
-    pairs kernel over the whole width or in column blocks of bp = 16."""
+    bk = 32, one of 64 otherwise), V = 40 padded to 64, packed documents with boundaries inside chunks;
+    the pairs kernels over the whole width or in column blocks of bp = 16; the state chains over the
+    whole value width or in blocks of bv = 16 or 32."""
     B, T, H, K, V = 2, 77, 2, 48, 40
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(bk), B, T, H, K, V)]
@@ -165,7 +167,7 @@ def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp):
                                           segment_ids=seg, interpret=None, chunk_size=32,
                                           lower_bound=LB, check_gate=False, matmul_dtype=None)
         assert (cfg.K, cfg.BK, cfg.backward) == (64, 64, "fused")
-        cfg = pallas_kda.with_overrides(cfg, bk=bk, bp=bp, backward=backward)
+        cfg = pallas_kda.with_overrides(cfg, bk=bk, bp=bp, bv=bv, backward=backward)
         o, ht = pallas_kda._kda(cfg, *inputs)
         return o[:, :T, :, :V], ht.swapaxes(-1, -2)[:, :, :K, :V]
 
@@ -183,9 +185,11 @@ def test_block_overrides_must_divide_the_padded_dims():
                                  initial_state=None, segment_ids=None, interpret=True, chunk_size=16,
                                  lower_bound=LB, check_gate=False, matmul_dtype=None)
     assert pallas_kda.with_overrides(cfg, bp=16, bk=128).BP == 16
-    for bad in (dict(bp=24), dict(bk=8), dict(bki=48)):
+    for bad in (dict(bp=24), dict(bk=8), dict(bki=48), dict(bv=12)):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a power of two"):
             pallas_kda.with_overrides(cfg, **bad)
+    with pytest.raises(ValueError, match="backward must be"):
+        pallas_kda.with_overrides(cfg, backward="fast")
 
 
 def test_without_initial_or_final_state(x64):
@@ -228,6 +232,8 @@ def test_gate_clamp_gradient_is_one_inside_the_bounds_and_zero_outside():
     (dict(lower_bound=-20.0), "lower_bound"),
     (dict(lower_bound=0.0), "lower_bound"),
     (dict(matmul_dtype="float16"), "matmul_dtype"),
+    (dict(tuning=dict(bq=16)), "unknown tuning keys \\['bq'\\]"),
+    (dict(tuning=dict(bv=24)), "bv must be a power of two"),
 ])
 def test_bad_arguments(kwargs, match):
     q, k, v, g, beta, *_ = (jnp.asarray(x, jnp.float32) for x in _inputs(np.random.default_rng(0), 1, 8, 2, 16, 16))
@@ -235,6 +241,17 @@ def test_bad_arguments(kwargs, match):
         chunk_kda(q, k, v, g, beta, **kwargs)
     with pytest.raises(ValueError, match="beta"):
         chunk_kda(q, k, v, g, beta[..., :1])
+
+
+def test_tuning_changes_the_kernels_not_the_result(x64):
+    """`chunk_kda(tuning=...)`: another backward plan, key, column and value blocks give the same
+    output and gradients as the defaults (K = V = 128 takes the split backward by default)."""
+    args = [np.asarray(np.asarray(x, np.float32), np.float64)
+            for x in _inputs(np.random.default_rng(5), 1, 40, 1, 128, 128)]
+    o0, ht0, g0 = _kernel(args, jnp.float32)
+    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="two", bk=32, bp=64, bv=16))
+    assert _rel(o1, o0) < 1e-6 and _rel(ht1, ht0) < 1e-6
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
 
 
 @pytest.mark.slow
