@@ -87,6 +87,7 @@ __all__ = ["chunk_kda"]
 _SUB = 16  # rows of a strip: the unit of the pair matmuls inside a chunk
 _CHUNKS = (16, 32, 64)
 _MIN_LOWER_BOUND = -10.0  # 8 tokens * 10 nats = 80 < log(float32 max) = 88.7
+_FWD_KEY_BLOCK = 64  # key channels per pair-sum matmul of the forward's strips
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,12 +225,18 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     doc = doc_ref[...]
     col = _iota((_SUB, C), 1)
     A, L = [], []
+    # Key channels are independent in the pair sums: blocks bound the live [C, block] factors (at
+    # K = 128 the whole width spilled 592 B per thread, blocks of 64 none; `compile_report`).
+    bk = min(cfg.K, _FWD_KEY_BLOCK)
+    blocks = [slice(None)] if bk == cfg.K else [pl.ds(j * bk, bk) for j in range(cfg.K // bk)]
     for r in range(nb):
         rows = pl.ds(r * _SUB, _SUB)
-        row_f, col_f = _strip(G_ref, r, C)
-        kc = k * col_f
-        qk = _mm_nt(q_ref[rows, :].astype(f32) * row_f, kc, pt)
-        kk = _mm_nt(k_ref[rows, :].astype(f32) * row_f, kc, pt)
+        qk = kk = 0.0
+        for blk in blocks:
+            row_f, col_f = _strip(G_ref, r, C, blk)
+            kc = (k if len(blocks) == 1 else k_ref[:, blk].astype(f32)) * col_f
+            qk = qk + _mm_nt(q_ref[rows, blk].astype(f32) * row_f, kc, pt)
+            kk = kk + _mm_nt(k_ref[rows, blk].astype(f32) * row_f, kc, pt)
         row = _iota((_SUB, C), 0) + r * _SUB
         same = doc_ref[rows][:, None] == doc[None, :]
         A.append(jnp.where((col <= row) & same, cfg.scale * qk, 0.0))
