@@ -4,13 +4,14 @@
         [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two]
         [--kernels=state_fwd,...] [--out=FILE.json]
 
-A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv]]]] (key blocks of the strip backward and of the
-inter-chunk backward, column block of the pairs backward, value block of the state chains; 0 or absent:
-the kernel module's); --launch=kernel=warps/stages,... overrides the Triton
-launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels after the reverse chain
-(`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim). Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in
-[-5, 0)); each kernel's inputs are computed once and the kernel alone is jitted and timed (median of
---iters calls after 3 warm-ups, wall clock with block_until_ready). Prints a table and writes JSON.
+A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]]: key blocks of the strip backward and of
+the inter-chunk backward, column block of the pairs backward, value block of the state chains, key block
+of the forward's pair sums (0 or absent: the kernel module's). --launch=kernel=warps/stages,...
+overrides the Triton launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels
+after the reverse chain (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim).
+Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in [-5, 0)); each kernel's inputs are
+computed once and the kernel alone is jitted and timed (median of --iters calls after 3 warm-ups, wall
+clock with block_until_ready). Prints a table and writes JSON.
 """
 
 import os
@@ -38,11 +39,13 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
 
 
-def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, launch=(), kernels=None, backward="auto"):
+def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), kernels=None,
+          backward="auto"):
     """Median ms and compile s of each forward and backward kernel for one shape and variant.
 
     bk, bki: key blocks of the strip and inter-chunk backward kernels, bp: column block of the pairs
-    backward kernels, bv: value block of the state chains (0: the module's defaults);
+    backward kernels, bv: value block of the state chains, bf: key block of the forward's pair sums
+    (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
     time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice."""
     B, T, H, K = shape
@@ -56,7 +59,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, launch=(),
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
-    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, launch=launch, backward=backward)
+    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward)
     wanted = set(kernels or P._LAUNCH)
     rows = {}
 

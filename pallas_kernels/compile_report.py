@@ -178,7 +178,8 @@ def report(fn, *args, arch: str = "9.0", ptxas: str = "") -> list[dict]:
     return rows
 
 
-def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki: int = 0, bp: int = 0, bv: int = 0, *,
+def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki: int = 0, bp: int = 0, bv: int = 0,
+                         bf: int = 0, *,
                          launch=(), backward: str = "auto"):
     """(fn, args): `pallas_kernels.kda`'s forward and backward kernels for one variant, as abstract
     shapes (bf16 q, k, v; fp32 g, beta), with the key blocks, launches and backward of
@@ -194,7 +195,7 @@ def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki:
         cfg, inputs = P._prepare(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None,
                                  interpret=False, chunk_size=chunk, lower_bound=-5.0, check_gate=False,
                                  matmul_dtype=matmul_dtype)
-        cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, launch=launch, backward=backward)
+        cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward)
         o, _ = P._kda(cfg, *inputs)
         return o.astype(jnp.float32).sum()
 
@@ -221,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default="kda", choices=("kda",))
     ap.add_argument("--shape", default="8x4096x16x128", help="B x T x H x K (K = V)")
     ap.add_argument("--variants", default="32:bfloat16",
-                    help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp[:bv]]]], as bench_kda_split")
+                    help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]], as bench_kda_split")
     ap.add_argument("--launch", type=parse_launch, default=(), help="kernel=warps/stages,...")
     ap.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
     ap.add_argument("--arch", default="9.0", help="compute capability to compile for (9.0: H100/H200)")

@@ -87,7 +87,6 @@ __all__ = ["chunk_kda"]
 _SUB = 16  # rows of a strip: the unit of the pair matmuls inside a chunk
 _CHUNKS = (16, 32, 64)
 _MIN_LOWER_BOUND = -10.0  # 8 tokens * 10 nats = 80 < log(float32 max) = 88.7
-_FWD_KEY_BLOCK = 64  # key channels per pair-sum matmul of the forward's strips
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +108,15 @@ class _Cfg:
     backward: str = "fused"  # `_AFTER_CHAIN` entry: the backward kernels after the reverse chain
     BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
     BP: int = 0  # column block of the split backward's pairs kernel (0: the whole min(K, V))
+    BF: int = 0  # key block of the forward's pair sums (0: min(K, 64))
 
     def __post_init__(self):
         if not self.BKI:
             object.__setattr__(self, "BKI", self.BK)
         if not self.BP:
             object.__setattr__(self, "BP", min(self.K, self.V))
+        if not self.BF:
+            object.__setattr__(self, "BF", min(self.K, 64))
 
     def launch_of(self, name):
         base = dict(_LAUNCH, **(_LAUNCH_SMALL_K if self.K <= _SMALL_K else {}))
@@ -227,7 +229,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     A, L = [], []
     # Key channels are independent in the pair sums: blocks bound the live [C, block] factors (at
     # K = 128 the whole width spilled 592 B per thread, blocks of 64 none; `compile_report`).
-    bk = min(cfg.K, _FWD_KEY_BLOCK)
+    bk = cfg.BF
     blocks = [slice(None)] if bk == cfg.K else [pl.ds(j * bk, bk) for j in range(cfg.K // bk)]
     for r in range(nb):
         rows = pl.ds(r * _SUB, _SUB)
@@ -948,22 +950,24 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     return cfg, (qp, kp, vp, G, betap, h0t, docf, mf, ml)
 
 
-_TUNING = frozenset({"bk", "bki", "bp", "bv", "launch", "backward"})
+_TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward"})
 
 
-def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, launch=(), backward="auto"):
+def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto"):
     """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
-    backward), column block bp (pairs backward) and value block bv (the state chains; 0 keeps each
-    default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, and an `_AFTER_CHAIN` backward
-    ('auto' keeps the choice for the key dim)."""
+    backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
+    state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, and an
+    `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim)."""
     width = min(cfg.K, cfg.V)
-    for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V)):
+    for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V),
+                           ("bf", bf, cfg.K)):
         if blk and (blk < 16 or blk & (blk - 1) or (blk < dim and dim % blk)):
             raise ValueError(f"chunk_kda: {name} must be a power of two >= 16; got {blk}")
     if backward not in ("auto", *_AFTER_CHAIN):
         raise ValueError(f"chunk_kda: backward must be 'auto' or one of {sorted(_AFTER_CHAIN)}; got {backward!r}")
-    return dataclasses.replace(cfg, BK=min(bk, cfg.K) if bk else cfg.BK, BKI=min(bki, cfg.K) if bki else cfg.BKI,
-                               BP=min(bp, width) if bp else cfg.BP, BV=min(bv, cfg.V) if bv else cfg.BV,
+    pick = lambda new, dim, old: min(new, dim) if new else old  # noqa: E731
+    return dataclasses.replace(cfg, BK=pick(bk, cfg.K, cfg.BK), BKI=pick(bki, cfg.K, cfg.BKI),
+                               BP=pick(bp, width, cfg.BP), BV=pick(bv, cfg.V, cfg.BV), BF=pick(bf, cfg.K, cfg.BF),
                                launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward)
 
 
@@ -994,7 +998,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
         TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
         cores, at about twice the error of a bf16 output.
-      tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, launch, backward) replacing the
+      tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward) replacing the
         block sizes, Triton launches or backward plan chosen for the shape; the result is the same.
 
     Returns:
