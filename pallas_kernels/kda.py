@@ -108,7 +108,7 @@ class _Cfg:
     backward: str = "fused"  # `_AFTER_CHAIN` entry: the backward kernels after the reverse chain
     BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
     BP: int = 0  # column block of the split backward's pairs kernel (0: the whole min(K, V))
-    BF: int = 0  # key block of the forward's pair sums (0: min(K, 64))
+    BF: int = 0  # key block of the forward's pair sums (0: the whole K)
 
     def __post_init__(self):
         if not self.BKI:
@@ -116,7 +116,7 @@ class _Cfg:
         if not self.BP:
             object.__setattr__(self, "BP", min(self.K, self.V))
         if not self.BF:
-            object.__setattr__(self, "BF", min(self.K, 64))
+            object.__setattr__(self, "BF", self.K)
 
     def launch_of(self, name):
         base = dict(_LAUNCH, **(_LAUNCH_SMALL_K if self.K <= _SMALL_K else {}))
@@ -227,8 +227,9 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     doc = doc_ref[...]
     col = _iota((_SUB, C), 1)
     A, L = [], []
-    # Key channels are independent in the pair sums: blocks bound the live [C, block] factors (at
-    # K = 128 the whole width spilled 592 B per thread, blocks of 64 none; `compile_report`).
+    # Key channels are independent in the pair sums: blocks of BF bound the live [C, BF] factors (at
+    # K = 128, chunk 32, bf16 the whole width spills 592 B per thread and blocks of 64 none, by
+    # `compile_report` for sm_90; not yet timed on a GPU, so the whole width stays the default).
     bk = cfg.BF
     blocks = [slice(None)] if bk == cfg.K else [pl.ds(j * bk, bk) for j in range(cfg.K // bk)]
     for r in range(nb):

@@ -245,12 +245,12 @@ def test_bad_arguments(kwargs, match):
 
 def test_tuning_changes_the_kernels_not_the_result(x64):
     """`chunk_kda(tuning=...)`: another backward plan, key, column and value blocks give the same
-    output and gradients as the defaults (K = V = 128 takes the split backward and forward pair sums in
-    key blocks of 64 by default; bf=128 sums the whole width at once)."""
+    output and gradients as the defaults (K = V = 128 takes the split backward and the forward's pair
+    sums over the whole width by default; bf=64 sums them in two key blocks)."""
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(5), 1, 40, 1, 128, 128)]
     o0, ht0, g0 = _kernel(args, jnp.float32)
-    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="two", bk=32, bp=64, bv=16, bf=128))
+    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="two", bk=32, bp=64, bv=16, bf=64))
     assert _rel(o1, o0) < 1e-6 and _rel(ht1, ht0) < 1e-6
     assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
 
