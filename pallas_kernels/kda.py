@@ -529,10 +529,11 @@ def _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
     [C, C] (masked to the pairs that exist).
 
     dT = dv_new (beta v)^T + dw kb^T sums over the value and key channels in column blocks of BP, so one
-    block's [C, BP] operands are live at a time (at K = V = 128 the whole-width form spilled 1.9 KB per
-    thread, blocks of 32 spill 140 B; `compile_report`). With dw_ref [C, K] (from `_inter_bwd_kernel`)
-    the key part is its own loop. With h_ref (S_in^T [V, K]) instead, dw = -dv_new S_in^T is not
-    formed: dT = dv_new (beta v - kb S_in)^T, one [C, K] x [K, BP] product per value block."""
+    block's [C, BP] operands are live at a time (K = V = 128, chunk 32, bf16, sm_90 by `compile_report`:
+    the whole width spills 1144 B per thread, blocks of 32 236 B, blocks of 16 32 B). With dw_ref
+    [C, K] (from `_inter_bwd_kernel`) the key part is its own loop. With h_ref (S_in^T [V, K]) instead,
+    dw = -dv_new S_in^T is not formed: dT = dv_new (beta v - kb S_in)^T, one [C, K] x [K, BP] product
+    per value block."""
     f32, md, pm, pt, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.C
     T = t_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
@@ -581,10 +582,12 @@ def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref
 
 
 def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
-                      dvn_ref, dw_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
-    """One chunk: `_pairs_terms` with dw read from memory (written by `_inter_bwd_kernel`)."""
+                      dvn_ref, last_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg, from_state: bool):
+    """One chunk: `_pairs_terms`. last_ref is dw [C, K] fp32 written by `_inter_bwd_kernel` ('split'),
+    or with from_state the state entering the chunk, S_in^T [V, K] ('two'), so no dw goes through
+    memory."""
     terms = _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
-                         dw_ref=dw_ref)
+                         **{"h_ref" if from_state else "dw_ref": last_ref})
     _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref)
 
 
@@ -594,15 +597,6 @@ def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_r
     strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw_ref[...],
                           dq0_ref[...], dk0_ref[...], dG0_ref[...])
     _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref)
-
-
-def _pairs_h_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
-                        h_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg):
-    """One chunk: `_pairs_terms` from the state entering the chunk (h_ref: S_in^T [V, K]) instead of
-    dw, so no [C, K] fp32 dw goes through memory."""
-    terms = _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
-                         h_ref=h_ref)
-    _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref)
 
 
 def _keys_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, ml_ref, t_ref, h_ref, dh_ref, do_ref, vn_ref,
@@ -761,8 +755,9 @@ def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
     B, Tp, H, K = k.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
     tok, per_tok, per_row, state = _chunk_specs(cfg)
-    kernel, name, last, spec = ((_pairs_bwd_kernel, "pairs_bwd", dw, tok(K)) if h is None else
-                                (_pairs_h_bwd_kernel, "pairs_h_bwd", h, state))
+    from_state = h is not None
+    kernel = functools.partial(_pairs_bwd_kernel, from_state=from_state)
+    name, last, spec = ("pairs_h_bwd", h, state) if from_state else ("pairs_bwd", dw, tok(K))
     pairs = jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)
     return _call(cfg, kernel, name, (NT, H, B),
                  [tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V), spec],
