@@ -107,7 +107,7 @@ class _Cfg:
     launch: tuple = ()  # ((kernel, warps, stages), ...) overriding _LAUNCH
     backward: str = "fused"  # `_AFTER_CHAIN` entry: the backward kernels after the reverse chain
     BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
-    BP: int = 0  # column block of the split backward's pairs kernel (0: the whole min(K, V))
+    BP: int = 0  # column block of the pairs backward kernel (0: the whole min(K, V))
     BF: int = 0  # key block of the forward's pair sums (0: the whole K)
 
     def __post_init__(self):
@@ -229,7 +229,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     A, L = [], []
     # Key channels are independent in the pair sums: blocks of BF bound the live [C, BF] factors (at
     # K = 128, chunk 32, bf16 the whole width spills 592 B per thread and blocks of 64 none, by
-    # `compile_report` for sm_90; not yet timed on a GPU, so the whole width stays the default).
+    # `compile_report` for sm_90; see _FWD_PAIR_BLOCK for the timing).
     bk = cfg.BF
     blocks = [slice(None)] if bk == cfg.K else [pl.ds(j * bk, bk) for j in range(cfg.K // bk)]
     for r in range(nb):
@@ -446,7 +446,10 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
 # The same backward in several programs per chunk, for key dims where the fused kernel spills (K = 128,
 # BENCHMARKS.md). 'split': three kernels (state terms, whole-chunk pairs, strips), dq0/dk0/dG0/dw and
 # dA/dL going through memory. 'two': the pairs kernel takes the state instead of dw, and one kernel per
-# key block does the state and the strip terms, so only dA/dL go through memory.
+# key block does the state and the strip terms, so only dA/dL go through memory. On an H100 at
+# 8x4096x16x128, chunk 32, bf16, 'split' (key blocks 64, column block 32) takes 1.47 + 1.42 + 2.63 ms and
+# 'two' at its best blocks (64, 16) 1.78 + 4.11 ms: one program per key block redoes the strip work that
+# 'split' shares, so 'split' stays the choice at K = 128.
 
 
 def _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref):
@@ -889,6 +892,28 @@ def _check_gate_callback(g_min, lower_bound):
                          f"{lower_bound}; use the reference path (impl='chunk') for an unbounded gate")
 
 
+# Measured on an H100 at 8x4096x16x128, chunk 32, bf16: kda_intra_fwd 1.35 ms over the whole K = 128,
+# 1.26 ms in two key blocks of 64 (no spills), 1.56 ms in four of 32.
+_FWD_PAIR_BLOCK = 64
+# kda_pairs_bwd at K = V = 128 (same machine and shape): column blocks of 128 1.96 ms (1144 B spilled per
+# thread), 64 1.45 ms, 32 1.42 ms.
+_PAIRS_BLOCK = 32
+# The chains run one program per (value block, head, row), each walking every chunk: with few rows and
+# heads, narrower value blocks give the GPU more programs. Measured on an H100 at 1x65536x32x128 (forward
+# + reverse chain): value block 64 (64 programs) 11.25 ms, 32 (128) 7.61 ms, 16 (256) 8.69 ms; where 64
+# already gives 128 or more, it stays best (2x16384x32x128: 2.95 against 3.13 ms with 32; 8x4096x16x128:
+# 1.47 against 1.72 ms).
+_CHAIN_PROGRAMS = 128
+
+
+def _chain_value_block(rows_heads, V):
+    """Widest value block in (64, 32, 16) that gives at least _CHAIN_PROGRAMS chain programs."""
+    for bv in (64, 32):
+        if rows_heads * (max(V, bv) // bv) >= _CHAIN_PROGRAMS:
+            return min(V, bv)
+    return min(V, 16)
+
+
 def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, chunk_size,
              lower_bound, check_gate, matmul_dtype):
     """Static config and the padded kernel inputs (q, k, v, Gamma, beta, h0^T, doc, mf, ml)."""
@@ -904,12 +929,13 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     C = chunk_size
     NT = max(1, math.ceil(T / C))
     Tp, K, V = NT * C, pow2_at_least_16(K0), pow2_at_least_16(V0)
-    BV = min(V, 64)
+    BV = _chain_value_block(B * H, V)
     if matmul_dtype is None:
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), NT=NT, scale=scale,
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), BF=min(K, _FWD_PAIR_BLOCK),
+               BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
                mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
                backward="fused" if K <= _FUSED_MAX_K else "split")
 

@@ -150,13 +150,13 @@ def test_packed_documents_equal_separate_runs(x64, chunk_size):
 
 
 @pytest.mark.parametrize("backward,bk,bp,bv", [("fused", 32, 0, 0), ("fused", 64, 0, 32), ("split", 32, 0, 0),
-                                               ("split", 64, 16, 0), ("two", 32, 16, 16), ("two", 64, 0, 0)])
+                                               ("split", 64, 16, 64), ("two", 32, 16, 16), ("two", 64, 0, 0)])
 def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp, bv):
     """Every backward plan (`_AFTER_CHAIN`) at an awkward size against the gradient of the jnp chunked
     reference: T = 77 (not a multiple of the chunk), K = 48 padded to 64 (two key blocks of 32 when
     bk = 32, one of 64 otherwise), V = 40 padded to 64, packed documents with boundaries inside chunks;
     the pairs kernels over the whole width or in column blocks of bp = 16; the state chains over the
-    whole value width or in blocks of bv = 16 or 32."""
+    whole value width (bv = 64) or in blocks of bv = 16 (the default for 4 rows x heads) or 32."""
     B, T, H, K, V = 2, 77, 2, 48, 40
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(bk), B, T, H, K, V)]
@@ -178,6 +178,15 @@ def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp, bv):
     errs = {"o": _rel(o, ro), "ht": _rel(ht, rht)}
     errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, rgrads)})
     assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def test_chain_value_block_gives_enough_programs():
+    """The state chains' value block: the widest of 64 / 32 / 16 that gives at least 128 programs
+    (rows x heads x V / block), else 16; never wider than V."""
+    rule = pallas_kda._chain_value_block
+    assert [rule(n, 128) for n in (128, 96, 64, 32, 16, 1)] == [64, 64, 64, 32, 16, 16]
+    assert [rule(n, 64) for n in (128, 64, 1)] == [64, 32, 16]
+    assert rule(1000, 16) == 16 and rule(1000, 32) == 32
 
 
 def test_block_overrides_must_divide_the_padded_dims():
@@ -245,12 +254,13 @@ def test_bad_arguments(kwargs, match):
 
 def test_tuning_changes_the_kernels_not_the_result(x64):
     """`chunk_kda(tuning=...)`: another backward plan, key, column and value blocks give the same
-    output and gradients as the defaults (K = V = 128 takes the split backward and the forward's pair
-    sums over the whole width by default; bf=64 sums them in two key blocks)."""
+    output and gradients as the defaults (K = V = 128 takes the split backward, the forward's pair
+    sums in two key blocks of 64 and value blocks of 16 for one row and head by default; bf=128 sums
+    them over the whole width, bv=64 walks the state in two value blocks)."""
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(5), 1, 40, 1, 128, 128)]
     o0, ht0, g0 = _kernel(args, jnp.float32)
-    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="two", bk=32, bp=64, bv=16, bf=64))
+    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="two", bk=32, bp=64, bv=64, bf=128))
     assert _rel(o1, o0) < 1e-6 and _rel(ht1, ht0) < 1e-6
     assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
 
