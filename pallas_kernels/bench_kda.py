@@ -158,14 +158,15 @@ def parse_impls(text):
 
 
 def parse_tuning(text):
-    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward is an int)."""
+    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward and
+    strip_precision is an int)."""
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             raise argparse.ArgumentTypeError(f"--tuning: expected key=value, got {item!r}")
         try:
-            out[key] = value if key == "backward" else int(value)
+            out[key] = value if key in ("backward", "strip_precision") else int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--tuning: {key} must be an integer, got {value!r}") from None
     return out

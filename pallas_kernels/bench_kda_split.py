@@ -2,13 +2,14 @@
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two]
-        [--kernels=state_fwd,...] [--out=FILE.json]
+        [--strip_precision=tf32|tf32x3|bf16x3] [--kernels=state_fwd,...] [--out=FILE.json]
 
 A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]]: key blocks of the strip backward and of
 the inter-chunk backward, column block of the pairs backward, value block of the state chains, key block
 of the forward's pair sums (0 or absent: the kernel module's). --launch=kernel=warps/stages,...
 overrides the Triton launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels
-after the reverse chain (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim).
+after the reverse chain (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim),
+--strip_precision the precision of the backward's strip products (default: the module's).
 Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in [-5, 0)); each kernel's inputs are
 computed once and the kernel alone is jitted and timed (median of --iters calls after 3 warm-ups, wall
 clock with block_until_ready). Prints a table and writes JSON.
@@ -40,14 +41,15 @@ def _time(fn, args, iters):
 
 
 def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), kernels=None,
-          backward="auto"):
+          backward="auto", strip_precision=None):
     """Median ms and compile s of each forward and backward kernel for one shape and variant.
 
     bk, bki: key blocks of the strip and inter-chunk backward kernels, bp: column block of the pairs
     backward kernels, bv: value block of the state chains, bf: key block of the forward's pair sums
     (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
-    time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice."""
+    time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice;
+    strip_precision: 'tf32', 'tf32x3' or 'bf16x3' (None: the module's)."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
@@ -59,7 +61,8 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
-    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward)
+    cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward,
+                           strip_precision=strip_precision)
     wanted = set(kernels or P._LAUNCH)
     rows = {}
 
@@ -113,18 +116,20 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--launch", type=parse_launch, default=())
     p.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
+    p.add_argument("--strip_precision", default=None, choices=P._STRIP_PRECISIONS)
     p.add_argument("--kernels", default="", help="comma-separated kernels to time (default: all)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
     report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, backward=args.backward,
-                  variants={})
+                  strip_precision=args.strip_precision, variants={})
     print("| variant | kernel | ms | share | compile s |\n|---|---|---|---|---|")
     for variant in args.variants.split(","):
         chunk, dtype, *blocks = variant.split(":")
         try:
             rows = split(shape, int(chunk), dtype, args.iters, *(int(b) for b in blocks), launch=args.launch,
-                         backward=args.backward, kernels=[k for k in args.kernels.split(",") if k] or None)
+                         backward=args.backward, strip_precision=args.strip_precision,
+                         kernels=[k for k in args.kernels.split(",") if k] or None)
         except Exception as exc:  # keep the other variants
             report["variants"][variant] = dict(error=repr(exc)[:500])
             print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)

@@ -2,7 +2,7 @@
 
     python -m pallas_kernels.compile_report [--kernels=kda] [--shape=8x4096x16x128]
         [--variants=32:bfloat16] [--launch=pairs_bwd=8/1,...] [--backward=auto|fused|split|two]
-        [--arch=9.0] [--json=FILE]
+        [--strip_precision=tf32|tf32x3|bf16x3] [--arch=9.0] [--json=FILE]
 
 Every Pallas kernel of a whole train step: `python -m experiments.aot_report --registers ...`.
 
@@ -179,8 +179,7 @@ def report(fn, *args, arch: str = "9.0", ptxas: str = "") -> list[dict]:
 
 
 def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki: int = 0, bp: int = 0, bv: int = 0,
-                         bf: int = 0, *,
-                         launch=(), backward: str = "auto"):
+                         bf: int = 0, *, launch=(), backward: str = "auto", strip_precision=None):
     """(fn, args): `pallas_kernels.kda`'s forward and backward kernels for one variant, as abstract
     shapes (bf16 q, k, v; fp32 g, beta), with the key blocks, launches and backward of
     `bench_kda_split`."""
@@ -195,7 +194,8 @@ def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki:
         cfg, inputs = P._prepare(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None,
                                  interpret=False, chunk_size=chunk, lower_bound=-5.0, check_gate=False,
                                  matmul_dtype=matmul_dtype)
-        cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward)
+        cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward,
+                               strip_precision=strip_precision)
         o, _ = P._kda(cfg, *inputs)
         return o.astype(jnp.float32).sum()
 
@@ -225,6 +225,7 @@ def main(argv=None):
                     help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]], as bench_kda_split")
     ap.add_argument("--launch", type=parse_launch, default=(), help="kernel=warps/stages,...")
     ap.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
+    ap.add_argument("--strip_precision", default=None, choices=P._STRIP_PRECISIONS)
     ap.add_argument("--arch", default="9.0", help="compute capability to compile for (9.0: H100/H200)")
     ap.add_argument("--ptxas", default="")
     ap.add_argument("--json", default="")
@@ -237,7 +238,7 @@ def main(argv=None):
     for variant in filter(None, a.variants.split(",")):
         chunk, dtype, *blocks = variant.split(":")
         fn, args = kda_forward_backward(shape, int(chunk), dtype, *(int(b) for b in blocks), launch=a.launch,
-                                        backward=a.backward)
+                                        backward=a.backward, strip_precision=a.strip_precision)
         rows = report(fn, *args, arch=a.arch, ptxas=a.ptxas)
         print_table(rows, variant)
         out["variants"][variant] = rows

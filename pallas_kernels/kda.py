@@ -62,8 +62,12 @@ Precision: gates, Gamma, the state and every accumulator are fp32. With fp32 inp
 full fp32 (HIGHEST). With bf16 inputs the pair matrices, the inverses and their backward take fp32
 operands that the GPU runs as TF32, and the large matmuls take either TF32 operands with fp32
 intermediates (`matmul_dtype='float32'`) or bf16 operands and bf16 storage of the intermediates
-(`matmul_dtype='bfloat16'`, which the bf16 model uses). Measured against fla on identical bf16
-inputs (BENCHMARKS.md): o differs by 2.3e-3, the gradients by 2.8e-3 to 5.8e-3.
+(`matmul_dtype='bfloat16'`, which the bf16 model uses). The backward's strip products, whose
+dGamma sums cancel, run in three bf16 passes ('bf16x3', `_Cfg.strip_precision`). Measured against fla
+on identical bf16 inputs (BENCHMARKS.md): o differs by 2.3e-3, the gradients by 2.8e-3 to 5.8e-3.
+Interpret mode computes fp32 products exactly; with K3_PALLAS_EMULATE_TF32=1 it rounds their operands
+as the GPU's TF32 and bf16x3 products do, so the CPU reproduces the GPU's errors (the gate gradient's
+6.6e-3 with single-pass TF32 strips against 6.2e-3 measured on an H100).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +114,13 @@ class _Cfg:
     BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
     BP: int = 0  # column block of the pairs backward kernel (0: the whole min(K, V))
     BF: int = 0  # key block of the forward's pair sums (0: the whole K)
+    emulate_tf32: bool = False  # interpret mode: round fp32 operands as the GPU's tensor-core products do
+    # The backward's strip products (dq, dk, dGamma through the pair factors), a `_DOTS` key. One TF32
+    # pass there doubles dg's error against the float64 recurrence (H100 at 8x4096x16x128: 6.2e-3 vs
+    # fla's 3.3e-3; under `K3_PALLAS_EMULATE_TF32=1` on the CPU: 6.6e-3), since dGamma sums products of
+    # e^{+-Gamma}-rescaled factors that cancel. Three bf16 passes bring it to the other gradients' level
+    # (2.4e-3 emulated), as three TF32 passes do, with half the tensor-core work of the latter.
+    strip_precision: str = "bf16x3"
 
     def __post_init__(self):
         if not self.BKI:
@@ -128,11 +140,22 @@ class _Cfg:
 
     @property
     def prec_mm(self):
-        return lax.Precision.HIGHEST if self.exact else lax.Precision.DEFAULT
+        return self._prec("tf32")
 
     @property
     def prec_tile(self):
-        return lax.Precision.HIGHEST if self.exact else lax.Precision.DEFAULT
+        return self._prec("tf32")
+
+    @property
+    def prec_strip(self):
+        return self._prec(self.strip_precision)
+
+    def _prec(self, fast):
+        """A product's precision, a `_DOTS` key: 'exact' for fp32 inputs, else `fast` (a GPU form),
+        with its rounding modelled on the operands in interpret mode when emulate_tf32 is set."""
+        if self.exact or (self.interpret and not self.emulate_tf32):
+            return "exact"  # the interpreter's fp32 products are exact
+        return fast + "_emulated" if self.interpret else fast
 
 
 # Triton (num_warps, num_stages) per kernel. The chain kernels hold one [BV, K] state and walk the
@@ -150,22 +173,65 @@ _SMALL_K = 32
 _LAUNCH_SMALL_K = {"intra_fwd": (1, 1), "chunk_bwd": (2, 1)}
 
 
+def _round_tf32(x):
+    """fp32 -> the nearest TF32 value (10 explicit mantissa bits, ties away from zero), as fp32."""
+    if x.dtype != jnp.float32:
+        return x
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
+
+
+def _dot_tf32_emulated(a, b, dims):
+    return _dot_exact(_round_tf32(a), _round_tf32(b), dims)
+
+
+def _dot_tf32x3_emulated(a, b, dims):
+    """The three-pass TF32 product: hi*hi + hi*lo + lo*hi, each pass on TF32-rounded operands."""
+    a_hi, b_hi = _round_tf32(a), _round_tf32(b)
+    a_lo, b_lo = _round_tf32(a - a_hi), _round_tf32(b - b_hi)
+    return _dot_exact(a_hi, b_lo, dims) + _dot_exact(a_lo, b_hi, dims) + _dot_exact(a_hi, b_hi, dims)
+
+
+def _dot_bf16x3_emulated(a, b, dims):
+    """The three-pass bf16 product: hi*hi + hi*lo + lo*hi on bf16 parts of each fp32 operand."""
+    def parts(x):
+        hi = x.astype(jnp.bfloat16).astype(jnp.float32)
+        return hi, (x - hi).astype(jnp.bfloat16).astype(jnp.float32)
+    (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
+    return _dot_exact(a_hi, b_lo, dims) + _dot_exact(a_lo, b_hi, dims) + _dot_exact(a_hi, b_hi, dims)
+
+
+def _dot_with(precision):
+    return lambda a, b, dims: lax.dot_general(a, b, (dims, ((), ())), precision=precision,
+                                              preferred_element_type=jnp.float32)
+
+
+_dot_exact = _dot_with(lax.Precision.HIGHEST)
+# A product's precision (`_Cfg._prec`) -> how to run it. On the GPU 'tf32' is one tensor-core pass on
+# TF32-rounded fp32 operands (about 3 decimal digits), 'tf32x3' three passes (about fp32's accuracy) and
+# 'bf16x3' three bf16 passes on each operand's bf16 high and low parts (about 5 digits, bf16 tensor cores
+# at twice TF32's rate); bf16 operands are exact in all three. The interpreter computes fp32 products
+# exactly unless the '_emulated' forms model the rounding.
+_DOTS = {"exact": _dot_exact, "tf32": _dot_with(lax.Precision.DEFAULT),
+         "tf32x3": _dot_with(lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
+         "bf16x3": _dot_with(lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
+         "tf32_emulated": _dot_tf32_emulated, "tf32x3_emulated": _dot_tf32x3_emulated,
+         "bf16x3_emulated": _dot_bf16x3_emulated}
+
+
 def _mm(a, b, prec):
-    """[M, K] @ [K, N] -> [M, N] fp32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
-                           preferred_element_type=jnp.float32)
+    """[M, K] @ [K, N] -> [M, N] fp32; ``prec`` a `_DOTS` key."""
+    return _DOTS[prec](a, b, ((1,), (0,)))
 
 
 def _mm_nt(a, b, prec):
     """[M, K] @ [N, K]^T -> [M, N] fp32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
-                           preferred_element_type=jnp.float32)
+    return _DOTS[prec](a, b, ((1,), (1,)))
 
 
 def _mm_tn(a, b, prec):
     """[K, M]^T @ [K, N] -> [M, N] fp32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
-                           preferred_element_type=jnp.float32)
+    return _DOTS[prec](a, b, ((0,), (0,)))
 
 
 def _iota(shape, dim):
@@ -356,7 +422,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
 
     dw, dL, dAqk and the state terms stay in registers; the outputs are stored after every load.
     """
-    f32, md, pm, pt, C, BK = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.C, cfg.BK
+    f32, md, pm, pt, ps, C, BK = jnp.float32, cfg.md, cfg.prec_mm, cfg.prec_tile, cfg.prec_strip, cfg.C, cfg.BK
     nb, nk = C // _SUB, cfg.K // BK
     blocks = [pl.ds(j * BK, BK) for j in range(nk)]
     T = t_ref[...]
@@ -422,10 +488,10 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
             kc = k * col_f
             rq = q_ref[rows, blk].astype(f32) * row_f
             rk = k_ref[rows, blk].astype(f32) * row_f
-            row_dbeta[r] = row_dbeta[r] + jnp.sum(dL_r[r] * _mm_nt(rk, kc, pt), axis=1)
+            row_dbeta[r] = row_dbeta[r] + jnp.sum(dL_r[r] * _mm_nt(rk, kc, ps), axis=1)
             dP = beta_ref[rows].astype(f32)[:, None] * dL_r[r]
-            Xq, Xk = _mm(dA_r[r], kc, pt), _mm(dP, kc, pt)
-            Y = _mm_tn(dA_r[r], rq, pt) + _mm_tn(dP, rk, pt)
+            Xq, Xk = _mm(dA_r[r], kc, ps), _mm(dP, kc, ps)
+            Y = _mm_tn(dA_r[r], rq, ps) + _mm_tn(dP, rk, ps)
             dk = dk + col_f * Y
             dG = dG - kc * Y
             row_dq.append(row_f * Xq)
@@ -480,7 +546,7 @@ def _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_r
     strip r with P = (x_r row_f) (k col_f)^T: d(x_r) = row_f (dP kc), d(k) = col_f (dP^T xr),
     dGamma_r += xr (dP kc), dGamma -= kc (dP^T xr). Returns per row strip (dq, dk, dGamma [16, BK],
     this key block's part of dbeta [16])."""
-    f32, pt, C = jnp.float32, cfg.prec_tile, cfg.C
+    f32, pt, ps, C = jnp.float32, cfg.prec_tile, cfg.prec_strip, cfg.C
     nb = C // _SUB
     k = k_ref[...].astype(f32)
     beta = beta_ref[...].astype(f32)
@@ -502,10 +568,10 @@ def _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_r
         rq = q_ref[rows, :].astype(f32) * row_f
         rk = k_ref[rows, :].astype(f32) * row_f
         dA, dL = da_ref[rows, :], dl_ref[rows, :]
-        row_dbeta.append(jnp.sum(dL * _mm_nt(rk, kc, pt), axis=1))
+        row_dbeta.append(jnp.sum(dL * _mm_nt(rk, kc, ps), axis=1))
         dP = beta_ref[rows].astype(f32)[:, None] * dL
-        Xq, Xk = _mm(dA, kc, pt), _mm(dP, kc, pt)
-        Y = _mm_tn(dA, rq, pt) + _mm_tn(dP, rk, pt)
+        Xq, Xk = _mm(dA, kc, ps), _mm(dP, kc, ps)
+        Y = _mm_tn(dA, rq, ps) + _mm_tn(dP, rk, ps)
         dk = dk + col_f * Y
         dG = dG - kc * Y
         row_dq.append(row_f * Xq)
@@ -937,6 +1003,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), BF=min(K, _FWD_PAIR_BLOCK),
                BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
                mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
+               emulate_tf32=interpret and os.environ.get("K3_PALLAS_EMULATE_TF32", "0") == "1",
                backward="fused" if K <= _FUSED_MAX_K else "split")
 
     g = jnp.asarray(g).astype(jnp.float32)
@@ -972,14 +1039,16 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     return cfg, (qp, kp, vp, G, betap, h0t, docf, mf, ml)
 
 
-_TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward"})
+_TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward", "strip_precision"})
+_STRIP_PRECISIONS = ("tf32", "tf32x3", "bf16x3")
 
 
-def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto"):
+def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto", strip_precision=None):
     """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
     backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
-    state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, and an
-    `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim)."""
+    state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, an
+    `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim) and the strip products' precision
+    ('tf32', 'tf32x3' or 'bf16x3', the default; None keeps it)."""
     width = min(cfg.K, cfg.V)
     for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V),
                            ("bf", bf, cfg.K)):
@@ -987,10 +1056,13 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
             raise ValueError(f"chunk_kda: {name} must be a power of two >= 16; got {blk}")
     if backward not in ("auto", *_AFTER_CHAIN):
         raise ValueError(f"chunk_kda: backward must be 'auto' or one of {sorted(_AFTER_CHAIN)}; got {backward!r}")
+    if strip_precision not in (None, *_STRIP_PRECISIONS):
+        raise ValueError(f"chunk_kda: strip_precision must be one of {_STRIP_PRECISIONS}; got {strip_precision!r}")
     pick = lambda new, dim, old: min(new, dim) if new else old  # noqa: E731
     return dataclasses.replace(cfg, BK=pick(bk, cfg.K, cfg.BK), BKI=pick(bki, cfg.K, cfg.BKI),
                                BP=pick(bp, width, cfg.BP), BV=pick(bv, cfg.V, cfg.BV), BF=pick(bf, cfg.K, cfg.BF),
-                               launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward)
+                               launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward,
+                               strip_precision=strip_precision or cfg.strip_precision)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -1020,8 +1092,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
         TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
         cores, at about twice the error of a bf16 output.
-      tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward) replacing the
-        block sizes, Triton launches or backward plan chosen for the shape; the result is the same.
+      tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward,
+        strip_precision) replacing the block sizes, Triton launches or backward plan chosen for the shape;
+        the result is the same (strip_precision='tf32' trades the gate gradient's accuracy for speed).
 
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
