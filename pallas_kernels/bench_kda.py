@@ -44,6 +44,9 @@ With --accuracy (the default), for T <= 4096, every implementation's o and five 
 row 0 and the first two heads are compared with the float64 token recurrence (run on the host CPU,
 same bf16 inputs, q and k normalised in float64): the accuracy contract is that our errors are no
 larger than fla's own, recorded per quantity under case['accuracy']['within_fla'].
+With --profile_dir=DIR, each JAX implementation's compiled modes are traced with jax.profiler and
+every device kernel's ms per call is recorded under the mode's 'profile' (the Pallas kernels and the
+XLA fusions around them: normalisation, the gate's cumsum, padding).
 Failures (OOM, compile errors, ...) are recorded per case and the run goes on. The JSON file is
 rewritten after every shape, so a run cut short keeps what it finished.
 """
@@ -87,6 +90,7 @@ MATMUL_PEAK_FLOP_S = 690e12  # measured bf16 matmul through XLA on the H200
 BANDWIDTH_PEAK_B_S = 2.9e12  # measured elementwise read+write on the H200
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+PROFILE_TOP = 30  # kernels kept per profiled mode
 ACCURACY_MAX_T = 4096  # the float64 recurrence runs on the host CPU: rows up to this length
 ACCURACY_HEADS = 2
 MODES = ("fwd", "fwd_bwd")
@@ -310,6 +314,31 @@ class JaxImpl:
 
     def release(self):
         self.compiled.clear()
+
+
+def profile_kernels(impl, mode, trace_dir, calls=5):
+    """Device time per call of each kernel (the Pallas kernels and the XLA fusions around them) of one
+    compiled mode of a JAX implementation, from a jax.profiler trace of `calls` calls:
+    {'total_ms': float, 'kernels': [[name, ms per call, calls per call], ...] largest first}."""
+    import glob
+
+    from experiments.profile_step import parse_trace
+
+    _, args = impl.functions[mode]
+    run = impl.compiled[mode]
+    jax.block_until_ready(run(*args))
+    where = os.path.join(trace_dir, f"{impl.name}_{mode}")
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = run(*args)
+        jax.block_until_ready(out)
+    traces = sorted(glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    if not traces:
+        raise RuntimeError(f"no perfetto_trace.json.gz under {where}")
+    res = parse_trace(traces[-1], calls)
+    kernels = sorted(((name, v[0], res["calls"][name]) for name, v in res["kernels"].items()), key=lambda r: -r[1])
+    return dict(total_ms=res["total_ms"], kernels=[list(r) for r in kernels[:PROFILE_TOP]])
 
 
 def wall_times_ms(run, args, warmup, iters):
@@ -673,6 +702,20 @@ def run_case(shape, impl_names, args, interpret):
                 rec[mode]["error"] = error_record(exc, "time")
                 print(f"  {name} {mode}: timing failed: {rec[mode]['error']['text'][:300]}", flush=True)
 
+    if args.profile_dir:
+        for name, impl in impls.items():
+            if not isinstance(impl, JaxImpl):
+                continue
+            for mode in impl_ok_modes(case["impls"][name]):
+                rec = case["impls"][name][mode]
+                try:
+                    rec["profile"] = profile_kernels(impl, mode, args.profile_dir)
+                    print(f"  {name} {mode}: device {rec['profile']['total_ms']:.3f} ms per call; " + ", ".join(
+                        f"{k} {ms:.3f}" for k, ms, _ in rec["profile"]["kernels"][:12]), flush=True)
+                except Exception as exc:
+                    rec["profile_error"] = error_record(exc, "profile")
+                    print(f"  {name} {mode}: profile failed: {rec['profile_error']['text'][:300]}", flush=True)
+
     fla_ms = case["impls"].get("fla", {}).get("fwd_bwd", {}).get("median_ms")
     for name in ("pallas", "pallas_bf16", "reference", "jla"):
         ours_ms = case["impls"].get(name, {}).get("fwd_bwd", {}).get("median_ms")
@@ -764,6 +807,9 @@ def parse_args(argv=None):
                         f"recurrence on batch row 0, {ACCURACY_HEADS} heads, for T <= {ACCURACY_MAX_T}")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare outputs and gradients before timing (default on)")
+    p.add_argument("--profile_dir", default="",
+                   help="trace each JAX implementation's compiled modes here and record every kernel's "
+                        "device ms per call (Pallas kernels and the XLA fusions around them)")
     p.add_argument("--tuning", type=parse_tuning, default={},
                    help="knobs of the pallas impls, e.g. backward=two,bk=16,bp=16,bv=32 (chunk_kda's tuning)")
     args = p.parse_args(argv)

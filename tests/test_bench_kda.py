@@ -24,6 +24,17 @@ def test_bench_kda_records_errors_against_the_float64_recurrence(tmp_path):
         assert np.isfinite(rec["fwd_bwd"]["median_ms"])
 
 
+def test_bench_kda_profile_records_each_kernels_time(tmp_path):
+    out = tmp_path / "b.json"
+    bench_kda.main(["--shapes=1x40x2x16", "--impls=reference", "--iters=1", "--warmup=0", "--no-accuracy",
+                    "--no-check", f"--profile_dir={tmp_path / 'trace'}", f"--out={out}"])
+    rec = json.loads(out.read_text())["cases"][0]["impls"]["reference"]
+    for mode in ("fwd", "fwd_bwd"):
+        prof = rec[mode]["profile"]
+        ms = [row[1] for row in prof["kernels"]]
+        assert prof["kernels"] and ms == sorted(ms, reverse=True) and 0 < sum(ms) <= prof["total_ms"] + 1e-9
+
+
 def test_accuracy_contract_compares_each_quantity_with_fla():
     class Fake:
         def __init__(self, scale):
