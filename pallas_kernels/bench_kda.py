@@ -59,6 +59,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import glob  # noqa: E402
 import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -320,8 +321,6 @@ def profile_kernels(impl, mode, trace_dir, calls=5):
     """Device time per call of each kernel (the Pallas kernels and the XLA fusions around them) of one
     compiled mode of a JAX implementation, from a jax.profiler trace of `calls` calls:
     {'total_ms': float, 'kernels': [[name, ms per call, calls per call], ...] largest first}."""
-    import glob
-
     from experiments.profile_step import parse_trace
 
     _, args = impl.functions[mode]

@@ -181,24 +181,22 @@ def _round_tf32(x):
     return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
 
 
+def _round_bf16(x):
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def _dot_tf32_emulated(a, b, dims):
     return _dot_exact(_round_tf32(a), _round_tf32(b), dims)
 
 
-def _dot_tf32x3_emulated(a, b, dims):
-    """The three-pass TF32 product: hi*hi + hi*lo + lo*hi, each pass on TF32-rounded operands."""
-    a_hi, b_hi = _round_tf32(a), _round_tf32(b)
-    a_lo, b_lo = _round_tf32(a - a_hi), _round_tf32(b - b_hi)
-    return _dot_exact(a_hi, b_lo, dims) + _dot_exact(a_lo, b_hi, dims) + _dot_exact(a_hi, b_hi, dims)
-
-
-def _dot_bf16x3_emulated(a, b, dims):
-    """The three-pass bf16 product: hi*hi + hi*lo + lo*hi on bf16 parts of each fp32 operand."""
-    def parts(x):
-        hi = x.astype(jnp.bfloat16).astype(jnp.float32)
-        return hi, (x - hi).astype(jnp.bfloat16).astype(jnp.float32)
-    (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
-    return _dot_exact(a_hi, b_lo, dims) + _dot_exact(a_lo, b_hi, dims) + _dot_exact(a_hi, b_hi, dims)
+def _three_pass_emulated(rounding):
+    """The three-pass product on the parts of each fp32 operand that ``rounding`` keeps:
+    hi*lo + lo*hi + hi*hi, smallest first, as the GPU's TF32x3 and BF16x3 products sum them."""
+    def dot(a, b, dims):
+        a_hi, b_hi = rounding(a), rounding(b)
+        a_lo, b_lo = rounding(a - a_hi), rounding(b - b_hi)
+        return _dot_exact(a_hi, b_lo, dims) + _dot_exact(a_lo, b_hi, dims) + _dot_exact(a_hi, b_hi, dims)
+    return dot
 
 
 def _dot_with(precision):
@@ -215,8 +213,8 @@ _dot_exact = _dot_with(lax.Precision.HIGHEST)
 _DOTS = {"exact": _dot_exact, "tf32": _dot_with(lax.Precision.DEFAULT),
          "tf32x3": _dot_with(lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
          "bf16x3": _dot_with(lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
-         "tf32_emulated": _dot_tf32_emulated, "tf32x3_emulated": _dot_tf32x3_emulated,
-         "bf16x3_emulated": _dot_bf16x3_emulated}
+         "tf32_emulated": _dot_tf32_emulated, "tf32x3_emulated": _three_pass_emulated(_round_tf32),
+         "bf16x3_emulated": _three_pass_emulated(_round_bf16)}
 
 
 def _mm(a, b, prec):
