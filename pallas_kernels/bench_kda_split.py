@@ -27,7 +27,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.kda.ops import l2_normalize  # noqa: E402
 from pallas_kernels import kda as P  # noqa: E402
 from pallas_kernels.bench_kda import wall_times_ms  # noqa: E402
 
@@ -52,15 +51,15 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     strip_precision: 'tf32', 'tf32x3' or 'bf16x3' (None: the module's)."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
-    q = l2_normalize(jax.random.normal(keys[0], (B, T, H, K))).astype(jnp.bfloat16)
-    k = l2_normalize(jax.random.normal(keys[1], (B, T, H, K))).astype(jnp.bfloat16)
+    q = jax.random.normal(keys[0], (B, T, H, K)).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, H, K)).astype(jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, H, K)).astype(jnp.bfloat16)
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H, K)))
     beta = jax.random.uniform(keys[4], (B, T, H))
     do = jax.random.normal(keys[5], (B, T, H, K)).astype(jnp.bfloat16)
-    cfg, (q, k, v, G, beta, h0t, doc, mf, ml) = P._prepare(
+    cfg, (q_raw, k_raw, v, g, beta, h0t, doc, mf, ml) = P._prepare(
         q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None, interpret=None,
-        chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype)
+        chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype, qk_l2norm=True)
     cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward,
                            strip_precision=strip_precision)
     wanted = set(kernels or P._LAUNCH)
@@ -69,6 +68,13 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     def timed(name, fn, args):
         if name in wanted:
             rows[name] = _time(fn, args, iters)
+
+    q, q_r = P._l2norm_fwd(cfg, q_raw)
+    k, _ = P._l2norm_fwd(cfg, k_raw)
+    timed("l2norm_fwd", lambda x: P._l2norm_fwd(cfg, x), (q_raw,))
+    timed("l2norm_bwd", lambda *a: P._l2norm_bwd(cfg, *a), (q, q_r, q_raw.astype(jnp.float32)))
+    G = P._gate_fwd(cfg, g)
+    timed("gate_fwd", lambda x: P._gate_fwd(cfg, x), (g,))
 
     w, u, aqk, Tm, qg, kg = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml)
     timed("intra_fwd", lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf, ml))
@@ -79,13 +85,14 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
     timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
     if cfg.backward == "fused":
-        timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a), (q, k, v, G, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
+        timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a),
+              (q, k, v, G, g, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
         return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
     if cfg.backward == "two":
         pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn)
         timed("pairs_h_bwd", lambda *a: P._pairs_bwd(cfg, *a, h=h), pairs_args)
         _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args, h=h)
-        timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a), (q, k, G, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
+        timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a), (q, k, G, g, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
         return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
     inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
     timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
@@ -93,7 +100,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn, dw)
     timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a[:-1], dw=a[-1]), pairs_args)
     _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args[:-1], dw=dw)
-    timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, beta, mf, Tm, dw, dA, dL, dq0, dk0, dG0))
+    timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, g, beta, mf, Tm, dw, dA, dL, dq0, dk0, dG0))
     return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
 
 

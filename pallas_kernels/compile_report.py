@@ -193,7 +193,7 @@ def kda_forward_backward(shape, chunk: int, matmul_dtype: str, bk: int = 0, bki:
     def loss(q, k, v, g, beta):
         cfg, inputs = P._prepare(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None,
                                  interpret=False, chunk_size=chunk, lower_bound=-5.0, check_gate=False,
-                                 matmul_dtype=matmul_dtype)
+                                 matmul_dtype=matmul_dtype, qk_l2norm=True)
         cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward,
                                strip_precision=strip_precision)
         o, _ = P._kda(cfg, *inputs)

@@ -92,6 +92,7 @@ __all__ = ["chunk_kda"]
 _SUB = 16  # rows of a strip: the unit of the pair matmuls inside a chunk
 _CHUNKS = (16, 32, 64)
 _MIN_LOWER_BOUND = -10.0  # 8 tokens * 10 nats = 80 < log(float32 max) = 88.7
+_L2_EPS = 1e-6  # `k3.kda.ops.l2_normalize`'s default, for qk_l2norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,8 @@ class _Cfg:
     # e^{+-Gamma}-rescaled factors that cancel. Three bf16 passes bring it to the other gradients' level
     # (2.4e-3 emulated), as three TF32 passes do, with half the tensor-core work of the latter.
     strip_precision: str = "bf16x3"
+    lower_bound: float = -5.0  # g is clamped into [lower_bound, 0] inside `_gate_fwd_kernel`
+    qk_l2norm: bool = False  # q and k arrive raw and are L2-normalised by `_l2norm_fwd_kernel`
 
     def __post_init__(self):
         if not self.BKI:
@@ -133,6 +136,12 @@ class _Cfg:
     def launch_of(self, name):
         base = dict(_LAUNCH, **(_LAUNCH_SMALL_K if self.K <= _SMALL_K else {}))
         return dict(base, **{n: (w, s) for n, w, s in self.launch})[name]
+
+    @property
+    def dqk_dtype(self):
+        """dq and dk leave the strip kernels in fp32 when the L2 norm's backward still follows, so they
+        are rounded once (fla's layout too); otherwise in the inputs' dtype."""
+        return jnp.float32 if self.qk_l2norm else (jnp.float32 if self.exact else jnp.bfloat16)
 
     @property
     def md(self):
@@ -164,7 +173,8 @@ class _Cfg:
 # chains (stages 2) did not pay, as their next chunk's loads are already issued ahead by hand.
 _LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "output_fwd": (4, 1), "state_bwd": (4, 1),
            "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1),
-           "pairs_h_bwd": (4, 1), "keys_bwd": (4, 1)}
+           "pairs_h_bwd": (4, 1), "keys_bwd": (4, 1), "gate_fwd": (4, 1), "l2norm_fwd": (4, 1),
+           "l2norm_bwd": (4, 1)}
 # Head dims up to _SMALL_K leave a 4-warp program mostly idle on its [C, K] tiles. Measured on the
 # H200 at 8x4096x32x32, chunk 32, bf16 (pallas_kernels/results/bench_kda_split_h200_k32_warps.json):
 # chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94;
@@ -273,6 +283,62 @@ def _last_decay(G_ref, mf_ref, n, C):
     last token still belongs to its document."""
     last = pl.ds(n * C + C - 1, 1)
     return jnp.exp(G_ref[last, :]) * mf_ref[last][None, :]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Element-wise prologue and epilogue: the gate's clamp and chunk-local cumsum, the L2 norm of q and k.
+# As XLA fusions around the core they cost 1.7 of 9.8 ms of device time at 8x4096x16x128 (H100
+# profile, BENCHMARKS.md): XLA lowers the cumsum to a log-depth scan over strided slices and splits
+# the norm's backward into four passes over [T, K].
+# ----------------------------------------------------------------------------------------------------
+
+
+def _gate_fwd_kernel(g_ref, G_ref, *, cfg: _Cfg):
+    """One chunk and head: Gamma [C, K] = cumsum over the chunk of g [C, K] clamped into
+    [lower_bound, 0]."""
+    G_ref[...] = jnp.cumsum(jnp.minimum(jnp.maximum(g_ref[...], cfg.lower_bound), 0.0), axis=0)
+
+
+def _gate_masks(cfg, g_ref, nb, keys=slice(None)):
+    """Per row tile r of the chunk: whether g [16, BK] lies in [lower_bound, 0], both ends included (g
+    sits exactly at the bound wherever the gate's sigmoid saturates); the clamp passes the gradient
+    there and stops it outside."""
+    tiles = (g_ref[pl.ds(r * _SUB, _SUB), keys] for r in range(nb))
+    return [(g >= cfg.lower_bound) & (g <= 0.0) for g in tiles]
+
+
+def _gate_grads(dG_tiles):
+    """Gamma = cumsum(clamp(g)) within the chunk, so dg_t = sum_{s >= t} dGamma_s where g is inside the
+    clamp's range (`_gate_masks`), else 0. Triton lowers only the forward cumsum, so the reverse one is
+    a tile's total minus its inclusive prefix plus the element, plus the totals of the tiles below.
+    Yields (r, f) for the row tiles of one chunk, last first, where f(inside_r) gives dg_r [16, BK] from
+    the complete dGamma tiles. The caller stores tile r's other outputs first, then f's: K = 128, chunk
+    32, bf16, sm_90, `kda_intra_bwd` spills 508 B per thread so, 704 B with dg formed before the store
+    of dq and dk, 692 B with every tile's dg formed before the first store."""
+    totals = [jnp.sum(d, axis=0, keepdims=True) for d in dG_tiles]
+    below = 0.0
+    for r in reversed(range(len(dG_tiles))):
+        d, total, after = dG_tiles[r], totals[r], below
+        yield r, lambda inside, d=d, total=total, after=after: jnp.where(
+            inside, total - jnp.cumsum(d, axis=0) + d + after, 0.0)
+        below = below + total
+
+
+def _l2norm_fwd_kernel(x_ref, y_ref, r_ref, *, cfg: _Cfg):
+    """One chunk and head: y = x r [C, K] with r = (sum_d x_d^2 + eps)^-1/2 [C] (fp32, kept for the
+    backward), as `k3.kda.ops.l2_normalize`."""
+    x = x_ref[...].astype(jnp.float32)
+    r = lax.rsqrt(jnp.sum(x * x, axis=1) + _L2_EPS)
+    y_ref[...] = (x * r[:, None]).astype(y_ref.dtype)
+    r_ref[...] = r
+
+
+def _l2norm_bwd_kernel(y_ref, r_ref, dy_ref, dx_ref, *, cfg: _Cfg):
+    """One chunk and head: dx = r (dy - y <dy, y>) [C, K] from the stored y (the gradient of x r with
+    r = (|x|^2 + eps)^-1/2, written in y = x r)."""
+    y, dy = y_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32)
+    proj = jnp.sum(dy * y, axis=1)[:, None]
+    dx_ref[...] = (r_ref[...][:, None] * (dy - y * proj)).astype(dx_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -404,8 +470,8 @@ def _state_bwd_kernel(qg_ref, kg_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, dht
     dh0_ref[...] = dSt
 
 
-def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_ref, t_ref, h_ref,
-                      dh_ref, do_ref, vn_ref, dvn_ref, dq_ref, dk_ref, dv_ref, dG_ref, dbeta_ref,
+def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, g_ref, beta_ref, doc_ref, mf_ref, ml_ref, t_ref, h_ref,
+                      dh_ref, do_ref, vn_ref, dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
                       *, cfg: _Cfg):
     """One chunk and head: everything of the backward that follows the state chain.
 
@@ -417,6 +483,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
        by row strips, dL and dAqk back through the factorisation of `_strip`. Per strip r with
        P = (x_r row_f) (k col_f)^T: d(x_r) = row_f (dP kc), d(k) = col_f (dP^T xr),
        dGamma_r += xr (dP kc), dGamma -= kc (dP^T xr); dbeta gathers every key block's part.
+    3. dg from dGamma (`_gate_grads`).
 
     dw, dL, dAqk and the state terms stay in registers; the outputs are stored after every load.
     """
@@ -499,12 +566,15 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
         out.append([((dq_r + a).astype(dq_ref.dtype), (dk_r + b).astype(dk_ref.dtype), dG_r + c)
                     for dq_r, dk_r, dG_r, a, b, c in tiles])
 
+    inside = [_gate_masks(cfg, g_ref, nb, blk) for blk in blocks]
     dv_ref[...] = dv
     for r, db_r in enumerate(_row_tiles(dbeta, nb)):
-        rows = pl.ds(r * _SUB, _SUB)
-        dbeta_ref[rows] = db_r + row_dbeta[r]
-        for blk, tiles in zip(blocks, out):
-            dq_ref[rows, blk], dk_ref[rows, blk], dG_ref[rows, blk] = tiles[r]
+        dbeta_ref[pl.ds(r * _SUB, _SUB)] = db_r + row_dbeta[r]
+    for blk, tiles, mask in zip(blocks, out, inside):
+        for r, dg in _gate_grads([dG for _, _, dG in tiles]):
+            rows = pl.ds(r * _SUB, _SUB)
+            dq_ref[rows, blk], dk_ref[rows, blk] = tiles[r][0], tiles[r][1]
+            dg_ref[rows, blk] = dg(mask[r])
 
 
 # The same backward in several programs per chunk, for key dims where the fused kernel spills (K = 128,
@@ -580,12 +650,15 @@ def _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_r
             for r, (dq_r, dk_r, dG_r, db_r) in enumerate(tiles)]
 
 
-def _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref):
-    for r, (dq, dk, dG, dbeta) in enumerate(strips):
+def _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref):
+    """Stores one key block's dq, dk, dbeta part and dg (`_gate_grads` of the complete dGamma)."""
+    inside = _gate_masks(cfg, g_ref, len(strips))
+    for r, dg in _gate_grads([dG for _, _, dG, _ in strips]):
+        dq, dk, _, dbeta = strips[r]
         rows = pl.ds(r * _SUB, _SUB)
         dq_ref[rows, :] = dq.astype(dq_ref.dtype)
         dk_ref[rows, :] = dk.astype(dk_ref.dtype)
-        dG_ref[rows, :] = dG
+        dg_ref[rows, :] = dg(inside[r])
         dbeta_ref[rows] = dbeta
 
 
@@ -658,21 +731,21 @@ def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
     _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
-                      dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
+def _intra_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
+                      dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: _Cfg):
     """One chunk and key block [C, BK]: `_strip_terms` added to the state terms read from memory."""
     strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw_ref[...],
                           dq0_ref[...], dk0_ref[...], dG0_ref[...])
-    _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref)
+    _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref)
 
 
-def _keys_bwd_kernel(q_ref, k_ref, G_ref, beta_ref, mf_ref, ml_ref, t_ref, h_ref, dh_ref, do_ref, vn_ref,
-                     dvn_ref, da_ref, dl_ref, dq_ref, dk_ref, dG_ref, dbeta_ref, *, cfg: _Cfg):
+def _keys_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, ml_ref, t_ref, h_ref, dh_ref, do_ref, vn_ref,
+                     dvn_ref, da_ref, dl_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: _Cfg):
     """One chunk and key block [C, BK]: `_state_terms` and `_strip_terms` in one program, the state
     terms and dw staying in registers."""
     dq, dk, dG, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref)
     strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw, dq, dk, dG)
-    _store_strips(strips, dq_ref, dk_ref, dG_ref, dbeta_ref)
+    _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -715,6 +788,30 @@ def _seq_specs(cfg):
     return tok, vblk, per_row, states, one_state
 
 
+def _gate_fwd(cfg, g):
+    """Gamma [B, Tp, H, K] fp32: chunk-local cumsum of the clamped gate g [B, Tp, H, K] fp32."""
+    B, Tp, H, K = g.shape
+    tok, _, _, _ = _chunk_specs(cfg)
+    return _call(cfg, _gate_fwd_kernel, "gate_fwd", (cfg.NT, H, B), [tok(K)], tok(K),
+                 jax.ShapeDtypeStruct(g.shape, jnp.float32))(g)
+
+
+def _l2norm_fwd(cfg, x):
+    """(y [B, Tp, H, K] in x.dtype, r [B, Tp, H] fp32): x L2-normalised over its last axis."""
+    B, Tp, H, K = x.shape
+    tok, per_tok, _, _ = _chunk_specs(cfg)
+    return _call(cfg, _l2norm_fwd_kernel, "l2norm_fwd", (cfg.NT, H, B), [tok(K)], [tok(K), per_tok],
+                 [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)])(x)
+
+
+def _l2norm_bwd(cfg, y, r, dy):
+    """dx [B, Tp, H, K] in y.dtype from y and r of `_l2norm_fwd` and dy [B, Tp, H, K] (any float dtype)."""
+    B, Tp, H, K = y.shape
+    tok, per_tok, _, _ = _chunk_specs(cfg)
+    return _call(cfg, _l2norm_bwd_kernel, "l2norm_bwd", (cfg.NT, H, B), [tok(K), per_tok, tok(K)], tok(K),
+                 jax.ShapeDtypeStruct(y.shape, y.dtype))(y, r, dy)
+
+
 def _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml):
     """w, qg, kg [B, Tp, H, K], u [B, Tp, H, V], Aqk and T [B, Tp, H, C] for every chunk."""
     B, Tp, H, _ = q.shape
@@ -753,10 +850,22 @@ def _output_fwd(cfg, qg, h, aqk, vn, out_dtype):
                  jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype))(qg, h, aqk, vn)
 
 
+def _prologue(cfg, q, k, g):
+    """The kernels' q, k (L2-normalised here with cfg.qk_l2norm, their fp32 inverse norms [B, Tp, H]
+    kept for the backward; else as given, with empty norms) and Gamma from the raw gate g."""
+    norms = ()
+    if cfg.qk_l2norm:
+        (q, rq), (k, rk) = _l2norm_fwd(cfg, q), _l2norm_fwd(cfg, k)
+        norms = (rq, rk)
+    return q, k, _gate_fwd(cfg, g), norms
+
+
 def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+    """The core from the kernels' inputs (Gamma, not g): o [B, Tp, H, V], final state^T and the
+    intermediates the backward reads."""
     w, u, aqk, T, qg, kg = _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml)
     vn, h, ht = _state_fwd(cfg, kg, G, w, u, mf, h0t)
-    o = _output_fwd(cfg, qg, h, aqk, vn, q.dtype)
+    o = _output_fwd(cfg, qg, h, aqk, vn, v.dtype)
     return o, ht, (w, aqk, T, h, vn, qg, kg)
 
 
@@ -774,20 +883,21 @@ def _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht):
                  )(qg, kg, G, w, aqk, do, mf, dht)
 
 
-def _chunk_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
-    """dq, dk [B, Tp, H, K], dv [B, Tp, H, V], dGamma [B, Tp, H, K] fp32 and dbeta [B, Tp, H] fp32,
-    one program per chunk and head (key blocks of cfg.BK inside it)."""
+def _chunk_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+    """dq, dk [B, Tp, H, K] (cfg.dqk_dtype), dv [B, Tp, H, V], dg [B, Tp, H, K] fp32 and dbeta [B, Tp, H]
+    fp32, one program per chunk and head (key blocks of cfg.BK inside it)."""
     B, Tp, H, K = q.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
     tok, per_tok, per_row, state = _chunk_specs(cfg)
     return _call(cfg, _chunk_bwd_kernel, "chunk_bwd", (NT, H, B),
-                 [tok(K), tok(K), tok(V), tok(K), per_tok, per_row, per_row, per_row, tok(C), state,
+                 [tok(K), tok(K), tok(V), tok(K), tok(K), per_tok, per_row, per_row, per_row, tok(C), state,
                   state, tok(V), tok(V), tok(V)],
                  [tok(K), tok(K), tok(V), tok(K), per_tok],
-                 [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                 [jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
                   jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
                   jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)],
-                 )(q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
+                 )(q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
 
 
 def _kblock_specs(cfg, BK):
@@ -834,8 +944,8 @@ def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
                  )(k, v, G, beta, doc, mf, T, do, vn, dvn, last)
 
 
-def _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
-    """dq, dk [B, Tp, H, K], dGamma [B, Tp, H, K] fp32, and the key blocks' parts of dbeta
+def _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
+    """dq, dk [B, Tp, H, K] (cfg.dqk_dtype), dg [B, Tp, H, K] fp32, and the key blocks' parts of dbeta
     [K / BK, B, Tp, H] fp32."""
     B, Tp, H, K = q.shape
     C, BK, NT = cfg.C, cfg.BK, cfg.NT
@@ -843,24 +953,25 @@ def _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
     kblk, tok, per_tok, per_row = _kblock_specs(cfg, BK)
     part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
     return _call(cfg, _intra_bwd_kernel, "intra_bwd", (NT, nk, H, B),
-                 [kblk, kblk, kblk, per_tok, per_row, tok(C), kblk, tok(C), tok(C), kblk, kblk, kblk],
+                 [kblk, kblk, kblk, kblk, per_tok, per_row, tok(C), kblk, tok(C), tok(C), kblk, kblk, kblk],
                  [kblk, kblk, kblk, part],
-                 [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                 [jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
                   jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
-                 )(q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
+                 )(q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
 
 
-def _split_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+def _split_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
     """`_chunk_bwd`'s outputs from the three split kernels."""
     dq0, dk0, dG0, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
     dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw=dw)
-    dq, dk, dG, dbeta_k = _intra_bwd(cfg, q, k, G, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
-    return dq, dk, dv, dG, dbeta_v + jnp.sum(dbeta_k, axis=0)
+    dq, dk, dg, dbeta_k = _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
+    return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=0)
 
 
-def _keys_bwd(cfg, q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL):
-    """dq, dk [B, Tp, H, K], dGamma [B, Tp, H, K] fp32 and the key blocks' parts of dbeta
+def _keys_bwd(cfg, q, k, G, g, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL):
+    """dq, dk [B, Tp, H, K] (cfg.dqk_dtype), dg [B, Tp, H, K] fp32 and the key blocks' parts of dbeta
     [K / BK, B, Tp, H] fp32, the state terms formed in the same program as the strip terms."""
     B, Tp, H, K = q.shape
     C, BK, V, NT = cfg.C, cfg.BK, cfg.V, cfg.NT
@@ -869,20 +980,21 @@ def _keys_bwd(cfg, q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL):
     state = pl.BlockSpec((None, None, V, BK), lambda n, j, h, b: (b, h, n, j))
     part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
     return _call(cfg, _keys_bwd_kernel, "keys_bwd", (NT, nk, H, B),
-                 [kblk, kblk, kblk, per_tok, per_row, per_row, tok(C), state, state, tok(V), tok(V), tok(V),
-                  tok(C), tok(C)],
+                 [kblk, kblk, kblk, kblk, per_tok, per_row, per_row, tok(C), state, state, tok(V), tok(V),
+                  tok(V), tok(C), tok(C)],
                  [kblk, kblk, kblk, part],
-                 [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                 [jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
+                  jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
                   jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
-                 )(q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL)
+                 )(q, k, G, g, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL)
 
 
-def _two_bwd(cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
+def _two_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
     """`_chunk_bwd`'s outputs from the pairs kernel that takes the states and the per-key-block kernel."""
     dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, h=h)
-    dq, dk, dG, dbeta_k = _keys_bwd(cfg, q, k, G, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL)
-    return dq, dk, dv, dG, dbeta_v + jnp.sum(dbeta_k, axis=0)
+    dq, dk, dg, dbeta_k = _keys_bwd(cfg, q, k, G, g, beta, mf, ml, T, h, dh, do, vn, dvn, dA, dL)
+    return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=0)
 
 
 # What runs after the reverse state chain (`_Cfg.backward`). Measured on the H200 at chunk 32
@@ -892,33 +1004,42 @@ _AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd, "two": _two_bwd}
 _FUSED_MAX_K = 64
 
 
-def _backward(cfg, q, k, v, G, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
+def _backward(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
+    """dq, dk (cfg.dqk_dtype), dv, dg (fp32, through the clamp and the cumsum), dbeta, d initial state^T."""
     dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
-    dq, dk, dv, dG, dbeta = _AFTER_CHAIN[cfg.backward](cfg, q, k, v, G, beta, doc, mf, ml, T, h, dh, do, vn, dvn)
-    return dq, dk, dv, dG, dbeta.astype(beta.dtype), dh0
+    dq, dk, dv, dg, dbeta = _AFTER_CHAIN[cfg.backward](cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn,
+                                                       dvn)
+    return dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kda(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+def _kda(cfg, q, k, v, g, beta, h0t, doc, mf, ml):
+    """o [B, Tp, H, V] and the final state^T [B, H, V, K] from the padded inputs; g is the raw gate."""
+    q, k, G, _ = _prologue(cfg, q, k, g)
     o, ht, _ = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml)
     return o, ht
 
 
-def _kda_fwd(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+def _kda_fwd(cfg, q, k, v, g, beta, h0t, doc, mf, ml):
+    q, k, G, norms = _prologue(cfg, q, k, g)
     o, ht, saved = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml)
     # The outputs too: the layer's backward needs o, and an unnamed o would make a remat policy that
     # keeps the residuals still run the forward kernels again to get it.
     o, ht, saved = checkpoint_name((o, ht, saved), KDA_RESIDUALS)
-    q, k, v, G, beta = checkpoint_name((q, k, v, G, beta), KDA_INPUTS)
-    return (o, ht), (q, k, v, G, beta, doc, mf, ml, *saved)
+    # The kernels' own inputs: q and k as the kernels read them (normalised), the raw gate (its
+    # clamp's mask) and Gamma. The raw q and k are not needed: the norm's backward works from y = x r.
+    q, k, v, g, G, beta, norms = checkpoint_name((q, k, v, g, G, beta, norms), KDA_INPUTS)
+    return (o, ht), (q, k, v, g, G, beta, norms, doc, mf, ml, *saved)
 
 
 def _kda_bwd(cfg, res, cts):
-    q, k, v, G, beta, doc, mf, ml, *saved = res
+    q, k, v, g, G, beta, norms, doc, mf, ml, *saved = res
     do, dht = cts
-    dq, dk, dv, dG, dbeta, dh0 = _backward(cfg, q, k, v, G, beta, doc, mf, ml, *saved,
+    dq, dk, dv, dg, dbeta, dh0 = _backward(cfg, q, k, v, G, g, beta, doc, mf, ml, *saved,
                                            do.astype(v.dtype), dht.astype(jnp.float32))
-    return dq, dk, dv, dG, dbeta, dh0, jnp.zeros_like(doc), jnp.zeros_like(mf), jnp.zeros_like(ml)
+    if cfg.qk_l2norm:
+        dq, dk = _l2norm_bwd(cfg, q, norms[0], dq), _l2norm_bwd(cfg, k, norms[1], dk)
+    return dq, dk, dv, dg, dbeta, dh0, jnp.zeros_like(doc), jnp.zeros_like(mf), jnp.zeros_like(ml)
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
@@ -927,27 +1048,6 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 # ----------------------------------------------------------------------------------------------------
 # Public entry point
 # ----------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _clamp_gate(g, lower_bound):
-    """g [B, T, H, K] fp32 clamped into [lower_bound, 0], with gradient 1 inside the range, the bounds
-    included (jnp.clip would split it 0.5 at a tie, and g sits exactly at the bound wherever the gate's
-    sigmoid saturates), and 0 outside. The backward keeps one mask: autodiff of nested selects kept
-    both predicates and two fp32 arrays of g's size."""
-    return jnp.minimum(jnp.maximum(g, lower_bound), 0.0)
-
-
-def _clamp_gate_fwd(g, lower_bound):
-    return _clamp_gate(g, lower_bound), (g >= lower_bound) & (g <= 0.0)
-
-
-def _clamp_gate_bwd(lower_bound, inside, dg):
-    del lower_bound
-    return (jnp.where(inside, dg, 0.0),)
-
-
-_clamp_gate.defvjp(_clamp_gate_fwd, _clamp_gate_bwd)
 
 
 def _check_gate_callback(g_min, lower_bound):
@@ -979,8 +1079,8 @@ def _chain_value_block(rows_heads, V):
 
 
 def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, chunk_size,
-             lower_bound, check_gate, matmul_dtype):
-    """Static config and the padded kernel inputs (q, k, v, Gamma, beta, h0^T, doc, mf, ml)."""
+             lower_bound, check_gate, matmul_dtype, qk_l2norm=False):
+    """Static config and the padded kernel inputs (q, k, v, g, beta, h0^T, doc, mf, ml)."""
     B, T, H, K0, V0 = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if chunk_size not in _CHUNKS:
         raise ValueError(f"chunk_kda: chunk_size must be one of {_CHUNKS}; got {chunk_size!r}")
@@ -1002,13 +1102,13 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
                BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
                mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
                emulate_tf32=interpret and os.environ.get("K3_PALLAS_EMULATE_TF32", "0") == "1",
-               backward="fused" if K <= _FUSED_MAX_K else "split")
+               backward="fused" if K <= _FUSED_MAX_K else "split", lower_bound=float(lower_bound),
+               qk_l2norm=bool(qk_l2norm))
 
     g = jnp.asarray(g).astype(jnp.float32)
     if check_gate:
         jax.debug.callback(functools.partial(_check_gate_callback, lower_bound=float(lower_bound)),
                            jnp.min(g))
-    g = _clamp_gate(g, float(lower_bound))
 
     def pad(x, dtype, D):
         x = jnp.asarray(x).astype(dtype)
@@ -1016,7 +1116,6 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
 
     qp, kp, vp = pad(q, in_dtype, K), pad(k, in_dtype, K), pad(v, in_dtype, V)
     gp = pad(g, jnp.float32, K)
-    G = jnp.cumsum(gp.reshape(B, NT, C, H, K), axis=2).reshape(B, Tp, H, K)
     betap = jnp.pad(jnp.asarray(beta).astype(jnp.float32), [(0, 0), (0, Tp - T), (0, 0)])
 
     # Documents as float ids (exact below 2^24), and the two per-token masks: sees the incoming
@@ -1034,7 +1133,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         h0 = jnp.asarray(initial_state).astype(jnp.float32)
         h0t = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)]).swapaxes(-1, -2)
 
-    return cfg, (qp, kp, vp, G, betap, h0t, docf, mf, ml)
+    return cfg, (qp, kp, vp, gp, betap, h0t, docf, mf, ml)
 
 
 _TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward", "strip_precision"})
@@ -1065,13 +1164,14 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               segment_ids=None, interpret=None, chunk_size=32, lower_bound=-5.0, check_gate=False,
-              matmul_dtype=None, tuning=None):
+              matmul_dtype=None, tuning=None, qk_l2norm=False):
     """Chunked KDA with Pallas kernels, forward and backward (`jax.custom_vjp`).
 
     Same layout, conventions and return value as `k3.kda.ops.chunk_kda_reference`.
 
     Args:
-      q, k: [B, T, H, K] queries and keys (used as given; the layer L2-normalises them).
+      q, k: [B, T, H, K] queries and keys, used as given (the layer L2-normalises them), or
+        L2-normalised here with qk_l2norm=True.
       v: [B, T, H, V] values.
       g: [B, T, H, K] per-channel log decay. Values are clamped into [lower_bound, 0] (the kernel's
         contract: a bounded gate such as `k3.kda.ops.kda_gate_bounded`); with `check_gate=True` a
@@ -1093,6 +1193,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward,
         strip_precision) replacing the block sizes, Triton launches or backward plan chosen for the shape;
         the result is the same (strip_precision='tf32' trades the gate gradient's accuracy for speed).
+      qk_l2norm: L2-normalise q and k over their last axis first, as `k3.kda.ops.l2_normalize` (eps
+        1e-6), in kernels of their own: the same as normalising before the call, but faster, and dq,
+        dk reach the norm's backward in fp32 (rounded once, not twice).
 
     Returns:
       (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None).
@@ -1100,7 +1203,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     B, T, H, K0, V0 = validate_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
     cfg, args = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          segment_ids=segment_ids, interpret=interpret, chunk_size=chunk_size,
-                         lower_bound=lower_bound, check_gate=check_gate, matmul_dtype=matmul_dtype)
+                         lower_bound=lower_bound, check_gate=check_gate, matmul_dtype=matmul_dtype,
+                         qk_l2norm=qk_l2norm)
     if tuning:
         unknown = sorted(set(tuning) - _TUNING)
         if unknown:

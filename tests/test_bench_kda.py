@@ -21,7 +21,8 @@ def test_bench_kda_records_errors_against_the_float64_recurrence(tmp_path):
         assert all(1e-5 < e < 1e-2 for e in errs.values()), errs
     assert "within_fla" not in acc  # no fla on a CPU: nothing to compare against
     for rec in case["impls"].values():
-        assert np.isfinite(rec["fwd_bwd"]["median_ms"])
+        assert np.isfinite(rec["fwd_bwd"]["median_ms"]) and rec["fwd_bwd"]["timer"] == "pipelined"
+        assert np.isfinite(rec["fwd_bwd"]["per_call"]["median_ms"])
 
 
 def test_bench_kda_profile_records_each_kernels_time(tmp_path):

@@ -262,15 +262,62 @@ def test_gate_below_bound_is_clamped_or_rejected(x64):
     np.testing.assert_array_equal(np.asarray(o_checked), np.asarray(chunk_kda(*map(f32, (q, k, v, g, beta)))[0]))
 
 
-def test_gate_clamp_gradient_is_one_inside_the_bounds_and_zero_outside():
-    """The clamp's custom VJP: gradient 1 on [lower_bound, 0] with both ends included, 0 outside, and
-    a single boolean kept for the backward (autodiff of the selects kept two more fp32 arrays)."""
-    from pallas_kernels.kda import _clamp_gate
-    g = jnp.asarray([-7.0, LB, -2.5, -1e-6, 0.0, 0.5], jnp.float32)
-    y, vjp = jax.vjp(lambda x: _clamp_gate(x, LB), g)
-    np.testing.assert_array_equal(np.asarray(y), np.float32([LB, LB, -2.5, -1e-6, 0.0, 0.0]))
-    np.testing.assert_array_equal(np.asarray(vjp(jnp.arange(1.0, 7.0))[0]), [0.0, 2.0, 3.0, 4.0, 5.0, 0.0])
-    assert [str(x.dtype) for x in jax.tree.leaves(vjp) if hasattr(x, "dtype")] == ["bool"]
+@pytest.mark.parametrize("backward", ["fused", "split"])
+def test_gate_gradient_through_the_clamp_and_the_cumsum(x64, backward):
+    """dg, formed inside the strip kernels (reverse cumsum of dGamma within each chunk, then the clamp's
+    mask): equal to the float64 gradient through an inclusive clamp (gradient 1 on [lower_bound, 0]
+    with both ends, where a saturated sigmoid puts g, and exactly 0 outside), T = 45 not a multiple of
+    the chunk, K = 48 padded to 64; 'split' runs it in the key-blocked strip kernel."""
+    rng = np.random.default_rng(21)
+    q, k, v, g, beta, *_ = _inputs(rng, 1, 45, 2, 48, 32)
+    g = g.copy()
+    g[0, 3, 0, :5], g[0, 6, 1, :2] = -7.0, 0.25  # outside
+    g[0, 4, 1, :3], g[0, 5, 0, :3] = LB, 0.0  # at the bounds
+    do = rng.normal(size=v.shape)
+
+    def loss(fn, g):
+        o, _ = fn(q, k, v, g, beta)
+        return jnp.sum(o * do)
+
+    def kernel(q, k, v, g, beta):
+        return chunk_kda(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), chunk_size=16,
+                         tuning=dict(backward=backward))
+
+    def reference(q, k, v, g, beta):
+        inside = (g >= LB) & (g <= 0.0)
+        g = jnp.where(inside, g, jax.lax.stop_gradient(jnp.clip(g, LB, 0.0)))
+        return kda.recurrent_kda(q, k, v, g, beta)
+
+    dg = np.asarray(jax.grad(functools.partial(loss, kernel))(jnp.asarray(g, jnp.float32)), np.float64)
+    rdg = np.asarray(jax.grad(functools.partial(loss, reference))(jnp.asarray(g)))
+    outside = (g < LB) | (g > 0.0)
+    assert np.all(dg[outside] == 0.0) and np.all(rdg[0, 4, 1, :3] != 0.0) and np.all(rdg[0, 5, 0, :3] != 0.0)
+    assert _rel(dg, rdg) < 2e-5
+
+
+@pytest.mark.parametrize("dtype, tol_fwd, tol_grad", [(jnp.float32, 1e-5, 1e-4), (jnp.bfloat16, 4e-3, 6e-3)])
+def test_qk_l2norm_in_the_kernels_equals_normalising_first(x64, dtype, tol_fwd, tol_grad):
+    """qk_l2norm=True on raw q, k (scaled far from unit norm, one all-zero key) against the float64
+    recurrence on l2-normalised inputs, gradients taken w.r.t. the raw q, k; T = 37, K = 40 padded to
+    64, packed documents. In bf16 the normalised q and k are rounded once more than the reference's
+    (rounded raw inputs, normalised in float64), hence the looser bound."""
+    rng = np.random.default_rng(31)
+    args = list(_inputs(rng, 2, 37, 2, 40, 24))
+    args[0] = 3.0 * rng.normal(size=args[0].shape)
+    args[1] = 0.2 * rng.normal(size=args[1].shape)
+    args[1][1, 5, 0] = 0.0
+    seg = jnp.asarray(np.repeat([[1, 2], [4, 4]], [20, 17], axis=1), jnp.int32)
+    o, ht, grads = _kernel(args, dtype, segment_ids=seg, qk_l2norm=True)
+    rounded = [jnp.asarray(a) for a in _rounded(args, dtype)]
+
+    def ref(q, k, *rest, **kw):
+        return kda.recurrent_kda(kda.l2_normalize(q), kda.l2_normalize(k), *rest, segment_ids=seg, **kw)
+
+    ro, rht, rgrads = _value_and_grads(ref, *rounded)
+    errs = {"o": _rel(o, ro), "ht": _rel(ht, rht)}
+    errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, rgrads)})
+    assert errs["o"] < tol_fwd and errs["ht"] < tol_fwd, errs
+    assert all(e < tol_grad for n, e in errs.items() if n.startswith("d")), errs
 
 
 @pytest.mark.parametrize("kwargs, match", [
