@@ -86,10 +86,11 @@ def _keep_projections_kernel_residuals_and_glu():
 @REMAT_POLICIES.register("dots_kernels_glu_inputs")
 def _keep_projections_kernel_residuals_glu_and_kda_inputs():
     """'dots_kernels_glu', plus the Pallas KDA kernel's own inputs (`pallas_kernels.common.KDA_INPUTS`:
-    q, k, v after the short-conv branches, the cumulative gate, beta), which the other policies
+    q, k, v after the short-conv branches, the gate and its cumsum, beta), which the other policies
     recompute for the kernel's backward: the conv branches' forward kernels and the gate's cumsum
     run once. K3 1024:12 at 32K tokens compiled for the H200: 54 fewer kernels, 8.5 GB and 1.8 ms of
-    floor less per step, for 2.9 GiB more memory (10 bytes per token, head and channel)."""
+    floor less per step, for 2.9 GiB more memory (10 bytes per token, head and channel, then; 14 since
+    the backward reads the raw gate as well, for the clamp's mask)."""
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*_KERNEL_RESIDUALS, GLU_OUTPUT, KDA_INPUTS))

@@ -204,8 +204,8 @@ def test_saved_residual_bytes_follow_the_remat_policy_and_the_tokens():
 
 
 def test_kept_kda_inputs_are_what_the_traced_step_keeps():
-    """'dots_kernels_glu_inputs' keeps the Pallas KDA kernel's inputs (q, k, v, the cumulative gate,
-    beta) of every KDA layer: the traced residuals exceed 'dots_kernels_glu''s by exactly the
+    """'dots_kernels_glu_inputs' keeps the Pallas KDA kernel's inputs (q, k, v, the gate and its
+    cumsum, beta) of every KDA layer: the traced residuals exceed 'dots_kernels_glu''s by exactly the
     planner's 'kept_inputs', at two batches, and the recomputed group's working set no longer holds
     its inputs; with the jnp KDA core nothing is named and both agree."""
     def cfg(policy):

@@ -20,7 +20,9 @@ from __future__ import annotations
 KDA_CHUNK_FIT = (370.4, 43.2, 7.76, 1.91)
 # outside the Pallas core's own residuals, per conv backend (`k3.kda.layer.CONV_BACKENDS`): projections,
 # conv branches, gates and the output norm. The Pallas conv kernels keep 131 bytes less than XLA's conv.
-KDA_LAYER_BYTES = {"pallas": 39.2, "xla": 170.5}
+# (Fitted when the Pallas core's gate clamp kept a 1-byte mask outside the core: 1 less since the core
+# keeps the raw gate instead, `kda_pallas_core_bytes`.)
+KDA_LAYER_BYTES = {"pallas": 38.2, "xla": 169.5}
 
 
 def kda_core_flops(K: int, V: int, C: int) -> float:
@@ -47,10 +49,11 @@ def kda_chunk_layer_bytes(chunk_size: int, head_dim: int) -> float:
 
 
 def kda_pallas_core_bytes(chunk_size: int, head_dim: int, a: int) -> float:
-    """Bytes per element of N*H*K of the Pallas KDA kernel's own per-chunk residuals at compute-dtype
-    bytes ``a``: the chunk states V a / C and the pair matrices T (fp32) and Aqk, C (4 + a) / K."""
+    """Bytes per element of N*H*K of the Pallas KDA kernel's own residuals at compute-dtype bytes ``a``
+    beyond those of the fit (`KDA_LAYER_BYTES`): the chunk states V a / C, the pair matrices T (fp32)
+    and Aqk, C (4 + a) / K, and the raw gate (fp32, for the clamp's mask in the backward), 4."""
     C, K = chunk_size, head_dim
-    return K * a / C + C * (4 + a) / K
+    return K * a / C + C * (4 + a) / K + 4
 
 
 def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
@@ -87,11 +90,12 @@ def kda_residual_bytes(m, lay, a: int, qk_clip: bool) -> tuple[dict, float]:
 def kda_input_bytes(m, lay, a: int) -> float:
     """Bytes of the Pallas KDA kernel's own inputs for one layer, per device, which a remat policy in
     `k3.model.SAVES_KDA_INPUTS` keeps across the whole forward: q, k, v after the conv branches in the
-    compute dtype (``a`` bytes), the cumulative gate in fp32, beta in fp32 per head: N H (K (3a + 4)
-    + 4) with N local tokens, H heads per device and K = V = head_dim."""
+    compute dtype (``a`` bytes), the gate and its chunk-local cumsum in fp32 (the clamp's mask needs
+    the gate), beta in fp32 per head: N H (K (3a + 8) + 4) with N local tokens, H heads per device and
+    K = V = head_dim."""
     k = m.kda
     H = k.n_heads // lay.kda_heads_div
-    return float(lay.tokens * H * (k.head_dim * (3 * a + 4) + 4))
+    return float(lay.tokens * H * (k.head_dim * (3 * a + 8) + 4))
 
 
 def kda_context_bytes(m, lay, a: int) -> int:
