@@ -11,8 +11,10 @@ overrides the Triton launch parameters of `pallas_kernels.kda._LAUNCH`; --backwa
 after the reverse chain (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim),
 --strip_precision the precision of the backward's strip products (default: the module's).
 Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in [-5, 0)); each kernel's inputs are
-computed once and the kernel alone is jitted and timed (median of --iters calls after 3 warm-ups, wall
-clock with block_until_ready). Prints a table and writes JSON.
+computed once and the kernel alone is jitted and timed as `bench_kda` times whole functions: --iters
+calls queued back to back and waited for once, after 3 warm-ups; the median over 5 rounds of the
+per-call mean (results before 2026-12-06 are single waited calls, which add 0.3-0.5 ms of dispatch to
+each kernel). Prints a table and writes JSON.
 """
 
 import os
@@ -28,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import kda as P  # noqa: E402
-from pallas_kernels.bench_kda import wall_times_ms  # noqa: E402
+from pallas_kernels.bench_kda import pipelined_ms  # noqa: E402
 
 
 def _time(fn, args, iters):
@@ -36,7 +38,7 @@ def _time(fn, args, iters):
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
-    return compile_s, float(np.median(wall_times_ms(compiled, args, 3, iters)))
+    return compile_s, float(np.median(pipelined_ms(compiled, args, 3, iters)))
 
 
 def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), kernels=None,

@@ -22,6 +22,8 @@ gate must use the reference path (`k3.kda.ops.kda_core` does this).
 Kernels (each one `pallas_call`; grids over chunks are parallel, grids over value blocks walk the
 chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 before storing chunk n):
 
+    prologue  _gate_fwd    (NT, H, B)        Gamma = chunk-local cumsum of g clamped into [lower_bound, 0]
+              _l2norm_fwd  (NT, H, B)        qk_l2norm only: q, k normalised, their inverse norms kept
     forward   _intra_fwd   (NT, H, B)        Aqk, L by row strips; T strip by strip from T = I - L T
                                              with 16 x 16 Neumann inverses; w, u; decayed qg, kg
               _state_fwd   (V/BV, H, B)      the state chain (two matmuls a step): v_new, per-chunk states
@@ -37,13 +39,16 @@ chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 be
               _intra_bwd   (NT, K/BK, H, B)  by row strips: the rest of dq, dk, dGamma, dbeta (keys)
               or in two ('two'): _pairs_bwd with the states instead of dw, and _keys_bwd
               (NT, K/BK, H, B), the state and strip terms of one key block in one program
+              The kernel that completes dGamma turns it into dg (reverse cumsum, clamp mask).
+    epilogue  _l2norm_bwd  (NT, H, B)        qk_l2norm only: dq, dk (fp32 from the kernels) through the norm
 
 Every kernel loads its operands before its first store: Triton cannot hoist a load above a store to
 another pointer, so interleaving them exposes each load's latency (this, with 4 warps, took the
 forward+backward from 16.9 to 9.5 ms at 8 x 4096 x 16 x 128; BENCHMARKS.md).
 
-Gamma's cumsum, padding and the masks for packed documents are plain XLA around a `custom_vjp`
-core, so JAX differentiates them (dg is the reverse cumsum of dGamma).
+Padding and the masks for packed documents are plain XLA around a `custom_vjp` core; the gate's
+clamp and cumsum and the q/k norms are kernels inside it (as XLA fusions they took 1.7 of 9.8 ms of
+device time at 8x4096x16x128 on an H100).
 
 Document boundaries (`segment_ids`) are masks inside the kernels: pairs of tokens from different
 documents are zeroed in Aqk and L (T is then block diagonal over documents), tokens of a document
@@ -583,7 +588,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, g_ref, beta_ref, doc_ref, mf_r
 # key block does the state and the strip terms, so only dA/dL go through memory. On an H100 at
 # 8x4096x16x128, chunk 32, bf16, 'split' (key blocks 64, column block 32) takes 1.47 + 1.42 + 2.63 ms and
 # 'two' at its best blocks (64, 16) 1.78 + 4.11 ms: one program per key block redoes the strip work that
-# 'split' shares, so 'split' stays the choice at K = 128.
+# 'split' shares. With one row 'two' is faster (`_backward_plan`).
 
 
 def _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref):
@@ -1004,6 +1009,18 @@ _AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd, "two": _two_bwd}
 _FUSED_MAX_K = 64
 
 
+def _backward_plan(K, B):
+    """The `_AFTER_CHAIN` entry for padded key dim K and B rows. Above _FUSED_MAX_K: 'two' for one row,
+    else 'split'. Forward+backward ms, bf16, chunk 32, one H100, split / two: 8x4096x16x128 9.29 / 9.42,
+    2x16384x32x128 19.31 / 19.80, 2x4096x96x128 15.16 / 14.68; with one row 1x8192x96x128 16.37 /
+    15.05, 1x32768x16x128 12.10 / 10.89, 1x65536x32x128 45.90 / 41.02 (BENCHMARKS.md). The split
+    strip kernel is what slows down with one row (6.80 ms at 1x8192x96x128 against 3.44 at
+    8x4096x16x128, for 1.5 times the tokens); not profiled further."""
+    if K <= _FUSED_MAX_K:
+        return "fused"
+    return "two" if B == 1 else "split"
+
+
 def _backward(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
     """dq, dk (cfg.dqk_dtype), dv, dg (fp32, through the clamp and the cumsum), dbeta, d initial state^T."""
     dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
@@ -1068,6 +1085,11 @@ _PAIRS_BLOCK = 32
 # already gives 128 or more, it stays best (2x16384x32x128: 2.95 against 3.13 ms with 32; 8x4096x16x128:
 # 1.47 against 1.72 ms).
 _CHAIN_PROGRAMS = 128
+# Key block of the split backward's state-terms kernel (`kda_inter_bwd`) per matmul dtype. bf16: 128, 1.47
+# ms against 1.76 at 64 (H100, 8x4096x16x128). fp32 operands hold twice the bytes of S_in^T and dS_out^T
+# [V, BKI]: at 128 ptxas (sm_90) spills 20.7 KB per thread and the kernel took 22.98 of the fp32
+# variant's 37.74 ms forward+backward (H100 profile, BENCHMARKS.md); at 64 it spills 436 B. Not yet timed.
+_INTER_KEY_BLOCK = {"bfloat16": 128, "float32": 64}
 
 
 def _chain_value_block(rows_heads, V):
@@ -1098,11 +1120,11 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, 128), BF=min(K, _FWD_PAIR_BLOCK),
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, _INTER_KEY_BLOCK[matmul_dtype]), BF=min(K, _FWD_PAIR_BLOCK),
                BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
                mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
                emulate_tf32=interpret and os.environ.get("K3_PALLAS_EMULATE_TF32", "0") == "1",
-               backward="fused" if K <= _FUSED_MAX_K else "split", lower_bound=float(lower_bound),
+               backward=_backward_plan(K, B), lower_bound=float(lower_bound),
                qk_l2norm=bool(qk_l2norm))
 
     g = jnp.asarray(g).astype(jnp.float32)

@@ -215,6 +215,19 @@ def test_gate_gradient_accuracy_with_the_gpu_products_modelled(x64, monkeypatch)
     assert all(abs(errs["tf32"][n] / errs["default"][n] - 1) < 0.05 for n in ("q", "k", "v")), errs
 
 
+def test_backward_plan_by_key_dim_and_rows():
+    """The fused backward up to K = 64; above it 'two' for one row and 'split' for several (timed on
+    an H100, `_backward_plan`), and `chunk_kda` takes that plan unless tuning names another."""
+    plan = pallas_kda._backward_plan
+    assert [plan(K, B) for K, B in ((16, 1), (64, 8), (128, 1), (128, 2), (256, 8))] == [
+        "fused", "fused", "two", "split", "split"]
+    for B, want in ((1, "two"), (2, "split")):
+        cfg, _ = pallas_kda._prepare(*_inputs(np.random.default_rng(0), B, 20, 1, 100, 32)[:5], scale=None,
+                                     initial_state=None, segment_ids=None, interpret=True, chunk_size=16,
+                                     lower_bound=LB, check_gate=False, matmul_dtype=None)
+        assert cfg.backward == want and pallas_kda.with_overrides(cfg, backward="fused").backward == "fused"
+
+
 def test_chain_value_block_gives_enough_programs():
     """The state chains' value block: the widest of 64 / 32 / 16 that gives at least 128 programs
     (rows x heads x V / block), else 16; never wider than V."""
@@ -338,13 +351,13 @@ def test_bad_arguments(kwargs, match):
 
 def test_tuning_changes_the_kernels_not_the_result(x64):
     """`chunk_kda(tuning=...)`: another backward plan, key, column and value blocks give the same
-    output and gradients as the defaults (K = V = 128 takes the split backward, the forward's pair
+    output and gradients as the defaults (K = V = 128 with one row takes the 'two' backward, the forward's pair
     sums in two key blocks of 64 and value blocks of 16 for one row and head by default; bf=128 sums
     them over the whole width, bv=64 walks the state in two value blocks)."""
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(5), 1, 40, 1, 128, 128)]
     o0, ht0, g0 = _kernel(args, jnp.float32)
-    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="two", bk=32, bp=64, bv=64, bf=128))
+    o1, ht1, g1 = _kernel(args, jnp.float32, tuning=dict(backward="split", bk=32, bp=64, bv=64, bf=128))
     assert _rel(o1, o0) < 1e-6 and _rel(ht1, ht0) < 1e-6
     assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
 
