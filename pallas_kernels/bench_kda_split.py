@@ -98,11 +98,11 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
         return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
     inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
     timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
-    dq0, dk0, dG0, dw = P._inter_bwd(cfg, *inter_args)
+    dq0, dk0, dGe, dw = P._inter_bwd(cfg, *inter_args)
     pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn, dw)
     timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a[:-1], dw=a[-1]), pairs_args)
     _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args[:-1], dw=dw)
-    timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, g, beta, mf, Tm, dw, dA, dL, dq0, dk0, dG0))
+    timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, g, beta, mf, Tm, dw, dA, dL, dq0, dk0, dGe))
     return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
 
 

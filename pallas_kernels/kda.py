@@ -583,7 +583,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, g_ref, beta_ref, doc_ref, mf_r
 
 
 # The same backward in several programs per chunk, for key dims where the fused kernel spills (K = 128,
-# BENCHMARKS.md). 'split': three kernels (state terms, whole-chunk pairs, strips), dq0/dk0/dG0/dw and
+# BENCHMARKS.md). 'split': three kernels (state terms, whole-chunk pairs, strips), dq0/dk0/dw and
 # dA/dL going through memory. 'two': the pairs kernel takes the state instead of dw, and one kernel per
 # key block does the state and the strip terms, so only dA/dL go through memory. On an H100 at
 # 8x4096x16x128, chunk 32, bf16, 'split' (key blocks 64, column block 32) takes 1.47 + 1.42 + 2.63 ms and
@@ -593,8 +593,9 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, g_ref, beta_ref, doc_ref, mf_r
 
 def _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref):
     """One chunk and key block [C, BK], the terms through the states: o = qg S_in,
-    S_out = decay S_in + kg^T v_new, v_new = u - w S_in. Returns the first parts of dq, dk, dGamma
-    and dw, each [C, BK] fp32 (h_ref, dh_ref: S_in^T and dS_out^T [V, BK])."""
+    S_out = decay S_in + kg^T v_new, v_new = u - w S_in. Returns the first parts of dq and dk [C, BK],
+    dGamma's last-row term [1, BK] (`_state_dG` forms the rest) and dw [C, BK], all fp32 (h_ref,
+    dh_ref: S_in^T and dS_out^T [V, BK])."""
     f32, md, pm, C = jnp.float32, cfg.md, cfg.prec_mm, cfg.C
     G = G_ref[...]
     G_end = G_ref[pl.ds(C - 1, 1), :]
@@ -606,11 +607,17 @@ def _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref
     dq = cfg.scale * jnp.exp(G) * mf_ref[...][:, None] * _mm(do_ref[...].astype(md), Sh, pm)
     # kg = k e^{Gamma_end - Gamma} on the rows of the chunk's last document
     dk = jnp.exp(G_end - G) * ml_ref[...][:, None] * _mm(vn_ref[...].astype(md), dSh, pm)
-    kg_dkg = k_ref[...].astype(f32) * dk
-    dG_end = keep_state * jnp.exp(G_end) * dd + jnp.sum(kg_dkg, axis=0)[None, :]
-    last_row = _iota((C, 1), 0) == C - 1
-    dG = q_ref[...].astype(f32) * dq - kg_dkg + jnp.where(last_row, dG_end, 0.0)
-    return dq, dk, dG, -_mm(dvn_ref[...].astype(md), Sh, pm)
+    dG_end = keep_state * jnp.exp(G_end) * dd + jnp.sum(k_ref[...].astype(f32) * dk, axis=0)[None, :]
+    return dq, dk, dG_end, -_mm(dvn_ref[...].astype(md), Sh, pm)
+
+
+def _state_dG(cfg, q_ref, k_ref, dq, dk, dG_end):
+    """dGamma's part through the states [C, BK] from `_state_terms`' dq, dk [C, BK] and last-row term
+    dG_end [1, BK]: q dq - k dk, plus dG_end on the chunk's last row. Formed where it is used, so the
+    split backward stores one [1, BK] row per chunk instead of a [C, BK] fp32 block."""
+    f32 = jnp.float32
+    last_row = _iota((cfg.C, 1), 0) == cfg.C - 1
+    return q_ref[...].astype(f32) * dq - k_ref[...].astype(f32) * dk + jnp.where(last_row, dG_end, 0.0)
 
 
 def _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw, dq, dk, dG):
@@ -720,10 +727,11 @@ def _store_pairs(cfg, terms, dv_ref, dbeta_ref, da_ref, dl_ref):
 
 
 def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref,
-                      dq_ref, dk_ref, dG_ref, dw_ref, *, cfg: _Cfg):
+                      dq_ref, dk_ref, dge_ref, dw_ref, *, cfg: _Cfg):
     """One chunk and key block [C, BKI]: `_state_terms` into memory."""
-    dq, dk, dG, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref)
-    dq_ref[...], dk_ref[...], dG_ref[...], dw_ref[...] = dq, dk, dG, dw
+    dq, dk, dG_end, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref,
+                                      dvn_ref)
+    dq_ref[...], dk_ref[...], dge_ref[...], dw_ref[...] = dq, dk, dG_end, dw
 
 
 def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
@@ -737,10 +745,12 @@ def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
 
 
 def _intra_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
-                      dq0_ref, dk0_ref, dG0_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: _Cfg):
+                      dq0_ref, dk0_ref, dge_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: _Cfg):
     """One chunk and key block [C, BK]: `_strip_terms` added to the state terms read from memory."""
+    dq0, dk0 = dq0_ref[...], dk0_ref[...]
+    dG0 = _state_dG(cfg, q_ref, k_ref, dq0, dk0, dge_ref[...])
     strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw_ref[...],
-                          dq0_ref[...], dk0_ref[...], dG0_ref[...])
+                          dq0, dk0, dG0)
     _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref)
 
 
@@ -748,7 +758,9 @@ def _keys_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, ml_ref, t_ref
                      dvn_ref, da_ref, dl_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: _Cfg):
     """One chunk and key block [C, BK]: `_state_terms` and `_strip_terms` in one program, the state
     terms and dw staying in registers."""
-    dq, dk, dG, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref)
+    dq, dk, dG_end, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref,
+                                      dvn_ref)
+    dG = _state_dG(cfg, q_ref, k_ref, dq, dk, dG_end)
     strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw, dq, dk, dG)
     _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref)
 
@@ -918,9 +930,15 @@ def _kblock_specs(cfg, BK):
     return kblk, tok, per_tok, per_row
 
 
+def _chunk_rows(BK):
+    """BlockSpec of one [1, BK] row per chunk and key block of a [B, NT, H, K] array (grid (NT, K / BK, H, B))."""
+    return pl.BlockSpec((None, 1, None, BK), lambda n, j, h, b: (b, n, h, j))
+
+
 def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
-    """Inter-chunk parts of dq, dk, dGamma and dw, each [B, Tp, H, K] fp32; every term is per key
-    channel, so the grid splits the keys into blocks."""
+    """Inter-chunk parts of dq, dk and dw, each [B, Tp, H, K] fp32, and dGamma's last-row term per chunk
+    [B, NT, H, K] fp32 (the rest of its part is formed from dq and dk, `_state_dG`); every term is per
+    key channel, so the grid splits the keys into blocks."""
     B, Tp, H, K = q.shape
     BK, V, NT = cfg.BKI, cfg.V, cfg.NT
     kblk, tok, _, per_row = _kblock_specs(cfg, BK)
@@ -928,7 +946,8 @@ def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
     f32 = jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)
     return _call(cfg, _inter_bwd_kernel, "inter_bwd", (NT, K // BK, H, B),
                  [kblk, kblk, kblk, per_row, per_row, state, state, tok(V), tok(V), tok(V)],
-                 [kblk] * 4, [f32] * 4)(q, k, G, mf, ml, h, dh, do, vn, dvn)
+                 [kblk, kblk, _chunk_rows(BK), kblk],
+                 [f32, f32, jax.ShapeDtypeStruct((B, NT, H, K), jnp.float32), f32])(q, k, G, mf, ml, h, dh, do, vn, dvn)
 
 
 def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
@@ -949,7 +968,7 @@ def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
                  )(k, v, G, beta, doc, mf, T, do, vn, dvn, last)
 
 
-def _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
+def _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dGe):
     """dq, dk [B, Tp, H, K] (cfg.dqk_dtype), dg [B, Tp, H, K] fp32, and the key blocks' parts of dbeta
     [K / BK, B, Tp, H] fp32."""
     B, Tp, H, K = q.shape
@@ -958,20 +977,20 @@ def _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0):
     kblk, tok, per_tok, per_row = _kblock_specs(cfg, BK)
     part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
     return _call(cfg, _intra_bwd_kernel, "intra_bwd", (NT, nk, H, B),
-                 [kblk, kblk, kblk, kblk, per_tok, per_row, tok(C), kblk, tok(C), tok(C), kblk, kblk, kblk],
+                 [kblk, kblk, kblk, kblk, per_tok, per_row, tok(C), kblk, tok(C), tok(C), kblk, kblk, _chunk_rows(BK)],
                  [kblk, kblk, kblk, part],
                  [jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
                   jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
                   jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32),
                   jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
-                 )(q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
+                 )(q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dGe)
 
 
 def _split_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
     """`_chunk_bwd`'s outputs from the three split kernels."""
-    dq0, dk0, dG0, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
+    dq0, dk0, dGe, dw = _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn)
     dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw=dw)
-    dq, dk, dg, dbeta_k = _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dG0)
+    dq, dk, dg, dbeta_k = _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dGe)
     return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=0)
 
 
@@ -1120,8 +1139,8 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
         matmul_dtype = "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
-    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, _INTER_KEY_BLOCK[matmul_dtype]), BF=min(K, _FWD_PAIR_BLOCK),
-               BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
+    cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, _INTER_KEY_BLOCK[matmul_dtype]),
+               BF=min(K, _FWD_PAIR_BLOCK), BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
                mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
                emulate_tf32=interpret and os.environ.get("K3_PALLAS_EMULATE_TF32", "0") == "1",
                backward=_backward_plan(K, B), lower_bound=float(lower_bound),
