@@ -167,17 +167,23 @@ def parse_impls(text):
 
 
 def parse_tuning(text):
-    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward and
-    strip_precision is an int)."""
+    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward, strip_precision
+    and launch is an int); 'launch=keys_bwd/8/1+intra_bwd/8/1' -> {'launch': (('keys_bwd', 8, 1),
+    ('intra_bwd', 8, 1))}, Triton (warps, stages) per kernel."""
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             raise argparse.ArgumentTypeError(f"--tuning: expected key=value, got {item!r}")
         try:
-            out[key] = value if key in ("backward", "strip_precision") else int(value)
+            if key == "launch":
+                out[key] = tuple((name, int(w), int(st)) for name, w, st in
+                                 (entry.split("/") for entry in value.split("+")))
+            else:
+                out[key] = value if key in ("backward", "strip_precision") else int(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--tuning: {key} must be an integer, got {value!r}") from None
+            expected = "kernel/warps/stages joined by '+'" if key == "launch" else "an integer"
+            raise argparse.ArgumentTypeError(f"--tuning: {key} must be {expected}, got {value!r}") from None
     return out
 
 
@@ -835,7 +841,8 @@ def parse_args(argv=None):
                    help="trace each JAX implementation's compiled modes here and record every kernel's "
                         "device ms per call (Pallas kernels and the XLA fusions around them)")
     p.add_argument("--tuning", type=parse_tuning, default={},
-                   help="knobs of the pallas impls, e.g. backward=two,bk=16,bp=16,bv=32 (chunk_kda's tuning)")
+                   help="knobs of the pallas impls, e.g. backward=two,bk=16,bp=16,bv=32 or "
+                        "launch=keys_bwd/8/1+intra_bwd/8/1 (chunk_kda's tuning)")
     args = p.parse_args(argv)
     if args.warmup < 0 or args.iters < 1:
         p.error("--warmup must be >= 0 and --iters >= 1")

@@ -1194,6 +1194,9 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
             raise ValueError(f"chunk_kda: {name} must be a power of two >= 16; got {blk}")
     if backward not in ("auto", *_AFTER_CHAIN):
         raise ValueError(f"chunk_kda: backward must be 'auto' or one of {sorted(_AFTER_CHAIN)}; got {backward!r}")
+    unknown = sorted({entry[0] for entry in launch} - set(_LAUNCH))
+    if unknown:
+        raise ValueError(f"chunk_kda: launch names unknown kernels {unknown}; expected some of {sorted(_LAUNCH)}")
     if strip_precision not in (None, *_STRIP_PRECISIONS):
         raise ValueError(f"chunk_kda: strip_precision must be one of {_STRIP_PRECISIONS}; got {strip_precision!r}")
     pick = lambda new, dim, old: min(new, dim) if new else old  # noqa: E731

@@ -57,6 +57,14 @@ def test_accuracy_contract_compares_each_quantity_with_fla():
     assert all(acc["within_fla"]["pallas_bf16"].values())
 
 
+def test_tuning_flag_parses_launches_and_rejects_bad_values():
+    assert bench_kda.parse_tuning("backward=two,bk=16,launch=keys_bwd/8/1+intra_bwd/8/2") == dict(
+        backward="two", bk=16, launch=(("keys_bwd", 8, 1), ("intra_bwd", 8, 2)))
+    for bad in ("bk=x", "launch=keys_bwd/8", "bk"):
+        with pytest.raises(Exception, match="--tuning"):
+            bench_kda.parse_tuning(bad)
+
+
 def test_bench_kda_split_rejects_an_unknown_kernel_name():
     assert bench_kda_split.parse_launch("intra_fwd=4/2,state_bwd=8") == (("intra_fwd", 4, 2), ("state_bwd", 8, 1))
     with pytest.raises(SystemExit, match="unknown kernel 'intra'"):

@@ -245,6 +245,8 @@ def test_block_overrides_must_divide_the_padded_dims():
     for bad in (dict(bp=24), dict(bk=8), dict(bki=48), dict(bv=12), dict(bf=96)):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a power of two"):
             pallas_kda.with_overrides(cfg, **bad)
+    with pytest.raises(ValueError, match="launch names unknown kernels \\['keys_fwd'\\]"):
+        pallas_kda.with_overrides(cfg, launch=(("keys_fwd", 8, 1),))
     with pytest.raises(ValueError, match="strip_precision must be one of"):
         pallas_kda.with_overrides(cfg, strip_precision="fp16")
     with pytest.raises(ValueError, match="backward must be"):
