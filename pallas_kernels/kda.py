@@ -1032,9 +1032,9 @@ def _backward_plan(K, B):
     """The `_AFTER_CHAIN` entry for padded key dim K and B rows. Above _FUSED_MAX_K: 'two' for one row,
     else 'split'. Forward+backward ms, bf16, chunk 32, one H100, split / two: 8x4096x16x128 9.29 / 9.42,
     2x16384x32x128 19.31 / 19.80, 2x4096x96x128 15.16 / 14.68; with one row 1x8192x96x128 16.37 /
-    15.05, 1x32768x16x128 12.10 / 10.89, 1x65536x32x128 45.90 / 41.02 (BENCHMARKS.md). The split
-    strip kernel is what slows down with one row (6.80 ms at 1x8192x96x128 against 3.44 at
-    8x4096x16x128, for 1.5 times the tokens); not profiled further."""
+    15.05, 1x32768x16x128 12.10 / 10.89, 1x65536x32x128 45.90 / 41.02 (BENCHMARKS.md). At
+    1x8192x96x128 the split strip kernel takes 6.80 ms against 3.44 at 8x4096x16x128, for 1.5 times
+    the tokens; why is not yet profiled."""
     if K <= _FUSED_MAX_K:
         return "fused"
     return "two" if B == 1 else "split"
