@@ -146,7 +146,7 @@ class _Cfg:
     def dqk_dtype(self):
         """dq and dk leave the strip kernels in fp32 when the L2 norm's backward still follows, so they
         are rounded once; otherwise in the inputs' dtype."""
-        return jnp.float32 if self.qk_l2norm else (jnp.float32 if self.exact else jnp.bfloat16)
+        return jnp.float32 if self.qk_l2norm or self.exact else jnp.bfloat16
 
     @property
     def md(self):
