@@ -167,8 +167,8 @@ def parse_impls(text):
 
 
 def parse_tuning(text):
-    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward, strip_precision
-    and launch is an int); 'launch=keys_bwd/8/1+intra_bwd/8/1' -> {'launch': (('keys_bwd', 8, 1),
+    """'backward=two,bk=16' -> {'backward': 'two', 'bk': 16} (every knob but backward, strip_precision,
+    order and launch is an int); 'launch=keys_bwd/8/1+intra_bwd/8/1' -> {'launch': (('keys_bwd', 8, 1),
     ('intra_bwd', 8, 1))}, Triton (warps, stages) per kernel."""
     out = {}
     for item in filter(None, text.split(",")):
@@ -180,7 +180,7 @@ def parse_tuning(text):
                 out[key] = tuple((name, int(w), int(st)) for name, w, st in
                                  (entry.split("/") for entry in value.split("+")))
             else:
-                out[key] = value if key in ("backward", "strip_precision") else int(value)
+                out[key] = value if key in ("backward", "strip_precision", "order") else int(value)
         except ValueError:
             expected = "kernel/warps/stages joined by '+'" if key == "launch" else "an integer"
             raise argparse.ArgumentTypeError(f"--tuning: {key} must be {expected}, got {value!r}") from None

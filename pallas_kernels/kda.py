@@ -129,6 +129,7 @@ class _Cfg:
     strip_precision: str = "bf16x3"
     lower_bound: float = -5.0  # g is clamped into [lower_bound, 0] inside `_gate_fwd_kernel`
     qk_l2norm: bool = False  # q and k arrive raw and are L2-normalised by `_l2norm_fwd_kernel`
+    order: str = "chunks"  # `_GRID_ORDERS` entry: the chunk grids' fastest-varying index
 
     def __post_init__(self):
         if not self.BKI:
@@ -770,7 +771,32 @@ def _keys_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, ml_ref, t_ref
 # ----------------------------------------------------------------------------------------------------
 
 
+# Launch order of the chunk-parallel grids, written (n, h, b) and (n, j, h, b) in the specs: the
+# permutation that gives the launched grid. Consecutive programs run side by side, so the order sets
+# which stretch of memory is read at once. 'chunks' walks a head's chunks first: a [C, K] tile's rows
+# lie H * K elements apart, so with many heads and one row the programs in flight span the whole
+# sequence of every operand. 'heads' walks the heads of a chunk first: neighbours read adjacent bytes.
+_GRID_ORDERS = {"chunks": {3: (0, 1, 2), 4: (0, 1, 2, 3)}, "heads": {3: (1, 0, 2), 4: (2, 1, 0, 3)}}
+_CHAIN_KERNELS = ("state_fwd", "state_bwd")  # value-block grids (V / BV, H, B), not reordered
+
+
+def _ordered(order, spec):
+    """`spec` with its index map taking the grid indices in the launched order (see `_GRID_ORDERS`)."""
+    def index_map(*ids):
+        canon = [0] * len(ids)
+        for i, p in enumerate(order):
+            canon[p] = ids[i]
+        return spec.index_map(*canon)
+
+    return dataclasses.replace(spec, index_map=index_map)
+
+
 def _call(cfg, kernel, name, grid, in_specs, out_specs, out_shape):
+    order = _GRID_ORDERS[cfg.order][len(grid)]
+    if name not in _CHAIN_KERNELS and order != tuple(range(len(grid))):
+        grid = tuple(grid[p] for p in order)
+        in_specs, out_specs = jax.tree.map(functools.partial(_ordered, order), (in_specs, out_specs),
+                                           is_leaf=lambda x: isinstance(x, pl.BlockSpec))
     return pl.pallas_call(functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
                           compiler_params=triton_params(cfg.interpret, *cfg.launch_of(name)), name=f"kda_{name}")
@@ -1177,16 +1203,18 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     return cfg, (qp, kp, vp, gp, betap, h0t, docf, mf, ml)
 
 
-_TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward", "strip_precision"})
+_TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward", "strip_precision", "order"})
 _STRIP_PRECISIONS = ("tf32", "tf32x3", "bf16x3")
 
 
-def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto", strip_precision=None):
+def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto", strip_precision=None,
+                   order=None):
     """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
     backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
     state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, an
     `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim) and the strip products' precision
-    ('tf32', 'tf32x3' or 'bf16x3', the default; None keeps it)."""
+    ('tf32', 'tf32x3' or 'bf16x3', the default; None keeps it) and the chunk grids' launch order (a
+    `_GRID_ORDERS` key; None keeps it)."""
     width = min(cfg.K, cfg.V)
     for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V),
                            ("bf", bf, cfg.K)):
@@ -1199,11 +1227,13 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
         raise ValueError(f"chunk_kda: launch names unknown kernels {unknown}; expected some of {sorted(_LAUNCH)}")
     if strip_precision not in (None, *_STRIP_PRECISIONS):
         raise ValueError(f"chunk_kda: strip_precision must be one of {_STRIP_PRECISIONS}; got {strip_precision!r}")
+    if order not in (None, *_GRID_ORDERS):
+        raise ValueError(f"chunk_kda: order must be one of {sorted(_GRID_ORDERS)}; got {order!r}")
     pick = lambda new, dim, old: min(new, dim) if new else old  # noqa: E731
     return dataclasses.replace(cfg, BK=pick(bk, cfg.K, cfg.BK), BKI=pick(bki, cfg.K, cfg.BKI),
                                BP=pick(bp, width, cfg.BP), BV=pick(bv, cfg.V, cfg.BV), BF=pick(bf, cfg.K, cfg.BF),
                                launch=tuple(launch), backward=cfg.backward if backward == "auto" else backward,
-                               strip_precision=strip_precision or cfg.strip_precision)
+                               strip_precision=strip_precision or cfg.strip_precision, order=order or cfg.order)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -1235,7 +1265,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
         cores, at about twice the error of a bf16 output.
       tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward,
-        strip_precision) replacing the block sizes, Triton launches or backward plan chosen for the shape;
+        strip_precision, order) replacing the block sizes, Triton launches or backward plan chosen for the shape;
         the result is the same (strip_precision='tf32' trades the gate gradient's accuracy for speed).
       qk_l2norm: L2-normalise q and k over their last axis first, as `k3.kda.ops.l2_normalize` (eps
         1e-6), in kernels of their own: the same as normalising before the call, but faster, and dq,
