@@ -3,6 +3,7 @@ jax-linear-attention's Mosaic GPU kernel.
 
     python -m pallas_kernels.bench_kda [--shapes=8x4096x16x128,2x16384x32x128,...]
         [--impls=pallas,reference,fla] [--chunk-size=64] [--out=FILE.json] [--warmup=5] [--iters=20] [--check | --no-check]
+        [--seed=0]
 
 Implementations (all on IDENTICAL inputs, made once per shape from a fixed seed):
   pallas     `pallas_kernels.kda.chunk_kda` (interpret mode on CPU, compiled elsewhere)
@@ -232,13 +233,14 @@ def versions():
 # ----------------------------------------------------------------------------------------------------
 
 
-def make_inputs(shape, seed=SEED, lower_bound=LOWER_BOUND):
-    """Fixed-seed (q, k, v, g, beta) and cotangent do for one shape, as JAX arrays on the default device.
+def make_inputs(shape, seed=None, lower_bound=LOWER_BOUND):
+    """Fixed-seed (q, k, v, g, beta) and cotangent do for one shape, as JAX arrays on the default device
+    (seed None: the --seed value).
 
     Normal and uniform draws are made in fp32 and rounded to bf16 (as torch.randn(..., dtype=bf16) does).
     """
     B, T, H, K, V = shape
-    kq, kk, kv, kg, kb, kdo = jax.random.split(jax.random.key(seed), 6)
+    kq, kk, kv, kg, kb, kdo = jax.random.split(jax.random.key(SEED if seed is None else seed), 6)
     bf16 = jnp.bfloat16
 
     @jax.jit
@@ -840,6 +842,7 @@ def parse_args(argv=None):
     p.add_argument("--profile_dir", default="",
                    help="trace each JAX implementation's compiled modes here and record every kernel's "
                         "device ms per call (Pallas kernels and the XLA fusions around them)")
+    p.add_argument("--seed", type=int, default=SEED, help="seed of the inputs and the cotangent")
     p.add_argument("--tuning", type=parse_tuning, default={},
                    help="knobs of the pallas impls, e.g. backward=two,bk=16,bp=16,bv=32 or "
                         "launch=keys_bwd/8/1+intra_bwd/8/1 (chunk_kda's tuning)")
@@ -852,8 +855,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    global CHUNK_SIZE, TUNING
-    CHUNK_SIZE, TUNING = args.chunk_size, args.tuning
+    global CHUNK_SIZE, TUNING, SEED
+    CHUNK_SIZE, TUNING, SEED = args.chunk_size, args.tuning, args.seed
     interpret = jax.default_backend() == "cpu"  # the Pallas kernel runs interpreted on CPU only
     report = dict(
         versions=versions(),
