@@ -6,8 +6,10 @@ jax-linear-attention's Mosaic GPU kernel.
         [--seed=0]
 
 Implementations (all on IDENTICAL inputs, made once per shape from a fixed seed):
-  pallas     `pallas_kernels.kda.chunk_kda` (interpret mode on CPU, compiled elsewhere)
-  pallas_bf16  the same with matmul_dtype='bfloat16' (bf16 operands and intermediates)
+  pallas     `pallas_kernels.kda.chunk_kda` with matmul_dtype='float32' (interpret mode on CPU,
+             compiled elsewhere)
+  pallas_bf16  the same with matmul_dtype='bfloat16' (bf16 operands and intermediates; the default
+             for these bf16 inputs)
   reference  `k3.kda.ops.chunk_kda_reference` (plain jnp, fp32 HIGHEST-precision matmuls)
   fla        `fla.ops.kda.chunk_kda` (PyTorch + Triton) with use_qk_l2norm_in_kernel=True,
              safe_gate=True, lower_bound=-5; CUDA only, torch/fla are imported only when asked for.

@@ -67,8 +67,9 @@ Precision: gates, Gamma, the state and every accumulator are fp32. With fp32 inp
 full fp32 (HIGHEST). With bf16 inputs the pair matrices, the inverses and their backward take fp32
 operands that the GPU runs as TF32, and the large matmuls take either TF32 operands with fp32
 intermediates (`matmul_dtype='float32'`) or bf16 operands and bf16 storage of the intermediates
-(`matmul_dtype='bfloat16'`, which the bf16 model uses). The backward's strip products, whose
-dGamma sums cancel, run in three bf16 passes ('bf16x3', `_Cfg.strip_precision`). Measured against fla
+(`matmul_dtype='bfloat16'`, the default for 16-bit inputs and what the bf16 model uses). The
+backward's strip products, whose dGamma sums cancel, run in three bf16 passes ('bf16x3',
+`_Cfg.strip_precision`). Measured against fla
 on identical bf16 inputs (BENCHMARKS.md): o differs by 2.3e-3, the gradients by 2.8e-3 to 5.8e-3.
 Interpret mode computes fp32 products exactly; with K3_PALLAS_EMULATE_TF32=1 it rounds their operands
 as the GPU's TF32 and bf16x3 products do, so the CPU reproduces the GPU's errors (the gate gradient's
@@ -129,7 +130,7 @@ class _Cfg:
     strip_precision: str = "bf16x3"
     lower_bound: float = -5.0  # g is clamped into [lower_bound, 0] inside `_gate_fwd_kernel`
     qk_l2norm: bool = False  # q and k arrive raw and are L2-normalised by `_l2norm_fwd_kernel`
-    order: str = "chunks"  # `_GRID_ORDERS` entry: the chunk grids' fastest-varying index
+    order: str = "heads"  # `_GRID_ORDERS` entry: the chunk grids' fastest-varying index
 
     def __post_init__(self):
         if not self.BKI:
@@ -593,7 +594,8 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, g_ref, beta_ref, doc_ref, mf_r
 # key block does the state and the strip terms, so only dA/dL go through memory. On an H100 at
 # 8x4096x16x128, chunk 32, bf16, 'split' (key blocks 64, column block 32) takes 1.47 + 1.42 + 2.63 ms and
 # 'two' at its best blocks (64, 16) 1.78 + 4.11 ms: one program per key block redoes the strip work that
-# 'split' shares. With one row 'two' is faster (`_backward_plan`).
+# 'split' shares. 'two' was faster with one row only while the grids walked a head's chunks first
+# (`_backward_plan`).
 
 
 def _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref, dvn_ref):
@@ -780,6 +782,9 @@ def _keys_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, ml_ref, t_ref
 # which stretch of memory is read at once. 'chunks' walks a head's chunks first: a [C, K] tile's rows
 # lie H * K elements apart, so with many heads and one row the programs in flight span the whole
 # sequence of every operand. 'heads' walks the heads of a chunk first: neighbours read adjacent bytes.
+# Forward+backward on an H100, bf16, chunk 32, chunks / heads (same backward plan): 8x4096x16x128
+# 9.13 / 9.05 ms, 2x16384x32x128 19.17 / 18.25; 'split' and heads 1x8192x96x128 16.37 / 14.29,
+# 1x65536x32x128 45.90 / 37.72 (BENCHMARKS.md). `kda_inter_bwd` alone: 1.31 / 1.11 ms at 8x4096x16x128.
 _GRID_ORDERS = {"chunks": {3: (0, 1, 2), 4: (0, 1, 2, 3)}, "heads": {3: (1, 0, 2), 4: (2, 1, 0, 3)}}
 _CHAIN_KERNELS = ("state_fwd", "state_bwd")  # value-block grids (V / BV, H, B), not reordered
 
@@ -1058,16 +1063,14 @@ _AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd, "two": _two_bwd}
 _FUSED_MAX_K = 64
 
 
-def _backward_plan(K, B):
-    """The `_AFTER_CHAIN` entry for padded key dim K and B rows. Above _FUSED_MAX_K: 'two' for one row,
-    else 'split'. Forward+backward ms, bf16, chunk 32, one H100, split / two: 8x4096x16x128 9.29 / 9.42,
-    2x16384x32x128 19.31 / 19.80, 2x4096x96x128 15.16 / 14.68; with one row 1x8192x96x128 16.37 /
-    15.05, 1x32768x16x128 12.10 / 10.89, 1x65536x32x128 45.90 / 41.02 (BENCHMARKS.md). At
-    1x8192x96x128 the split strip kernel takes 6.80 ms against 3.44 at 8x4096x16x128, for 1.5 times
-    the tokens; why is not yet profiled."""
-    if K <= _FUSED_MAX_K:
-        return "fused"
-    return "two" if B == 1 else "split"
+def _backward_plan(K):
+    """The `_AFTER_CHAIN` entry for padded key dim K: 'split' above _FUSED_MAX_K. Forward+backward ms,
+    bf16, chunk 32, one H100, heads-first grids (`_GRID_ORDERS`), split / two: 8x4096x16x128 9.05 /
+    9.08, 1x8192x96x128 14.29 / 14.51, 2x16384x32x128 18.25 / 18.41, 1x65536x32x128 37.72 / 39.05,
+    1x32768x16x128 10.29 / 10.50, 2x4096x96x128 14.00 / 14.38 (BENCHMARKS.md). With chunks-first
+    grids 'two' had won every one-row shape (1x65536x32x128 41.02 against 45.90): the split kernels
+    then read the long rows' strided tiles from far-apart addresses."""
+    return "fused" if K <= _FUSED_MAX_K else "split"
 
 
 def _backward(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
@@ -1137,7 +1140,8 @@ _CHAIN_PROGRAMS = 128
 # Key block of the split backward's state-terms kernel (`kda_inter_bwd`) per matmul dtype. bf16: 128, 1.47
 # ms against 1.76 at 64 (H100, 8x4096x16x128). fp32 operands hold twice the bytes of S_in^T and dS_out^T
 # [V, BKI]: at 128 ptxas (sm_90) spills 20.7 KB per thread and the kernel took 22.98 of the fp32
-# variant's 37.74 ms forward+backward (H100 profile, BENCHMARKS.md); at 64 it spills 436 B. Not yet timed.
+# variant's 37.74 ms forward+backward (H100 profile, BENCHMARKS.md); at 64 it spills 436 B, and the
+# whole forward+backward takes 15.55 ms (same shape and machine, with the later grid order).
 _INTER_KEY_BLOCK = {"bfloat16": 128, "float32": 64}
 
 
@@ -1166,14 +1170,14 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
     Tp, K, V = NT * C, pow2_at_least_16(K0), pow2_at_least_16(V0)
     BV = _chain_value_block(B * H, V)
     if matmul_dtype is None:
-        matmul_dtype = "float32"
+        matmul_dtype = "bfloat16" if low_precision else "float32"
     if matmul_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"chunk_kda: matmul_dtype must be 'float32' or 'bfloat16'; got {matmul_dtype!r}")
     cfg = _Cfg(C=C, K=K, V=V, BV=BV, BK=min(K, 64), BKI=min(K, _INTER_KEY_BLOCK[matmul_dtype]),
                BF=min(K, _FWD_PAIR_BLOCK), BP=min(K, V, _PAIRS_BLOCK), NT=NT, scale=scale,
                mm_dtype=matmul_dtype, h_dtype=matmul_dtype, interpret=interpret, exact=not low_precision,
                emulate_tf32=interpret and os.environ.get("K3_PALLAS_EMULATE_TF32", "0") == "1",
-               backward=_backward_plan(K, B), lower_bound=float(lower_bound),
+               backward=_backward_plan(K), lower_bound=float(lower_bound),
                qk_l2norm=bool(qk_l2norm))
 
     g = jnp.asarray(g).astype(jnp.float32)
@@ -1265,9 +1269,11 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       lower_bound: the gate's bound, in [-10, 0).
       check_gate: raise when g < lower_bound instead of clamping.
       matmul_dtype: operand and storage dtype of the large matmuls and the saved intermediates
-        (w, u, Aqk, v_new, per-chunk states). 'float32' (default): with 16-bit inputs they run as
-        TF32 on the GPU; with fp32 inputs as full fp32. 'bfloat16': half the bytes and bf16 tensor
-        cores, at about twice the error of a bf16 output.
+        (w, u, Aqk, v_new, per-chunk states); None: the inputs' precision. 'bfloat16' (the default
+        for 16-bit q, k, v): half the bytes and bf16 tensor cores, with errors against the float64
+        recurrence below fla's own (BENCHMARKS.md). 'float32' (the default for fp32 inputs, full fp32
+        products there): with 16-bit inputs TF32 operands and fp32 intermediates, about 25% less
+        error and four times the time.
       tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward,
         strip_precision, order) replacing the block sizes, Triton launches or backward plan chosen for the shape;
         the result is the same (strip_precision='tf32' trades the gate gradient's accuracy for speed).

@@ -26,7 +26,9 @@ def test_capture_finds_every_kda_kernel_with_its_launch():
     small = {k.name: (k.num_warps, k.num_stages) for k in _captured((1, 40, 2, 32))}
     assert set(small) == {"kda_l2norm_fwd", "kda_gate_fwd", "kda_intra_fwd", "kda_state_fwd", "kda_output_fwd",
                           "kda_state_bwd", "kda_chunk_bwd", "kda_l2norm_bwd"}
-    two = [k.name for k in _captured((1, 40, 2, 128))]  # one row: the 'two' backward by default
+    split = [k.name for k in _captured((1, 40, 2, 128))]  # one row: still 'split' by default
+    assert "kda_intra_bwd" in split and "kda_keys_bwd" not in split
+    two = [k.name for k in _captured((1, 40, 2, 128), backward="two")]
     assert "kda_keys_bwd" in two and "kda_intra_bwd" not in two
     assert small["kda_chunk_bwd"] == P._LAUNCH_SMALL_K["chunk_bwd"]
 
