@@ -782,9 +782,9 @@ def _keys_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, ml_ref, t_ref
 # which stretch of memory is read at once. 'chunks' walks a head's chunks first: a [C, K] tile's rows
 # lie H * K elements apart, so with many heads and one row the programs in flight span the whole
 # sequence of every operand. 'heads' walks the heads of a chunk first: neighbours read adjacent bytes.
-# Forward+backward on an H100, bf16, chunk 32, chunks / heads (same backward plan): 8x4096x16x128
-# 9.13 / 9.05 ms, 2x16384x32x128 19.17 / 18.25; 'split' and heads 1x8192x96x128 16.37 / 14.29,
-# 1x65536x32x128 45.90 / 37.72 (BENCHMARKS.md). `kda_inter_bwd` alone: 1.31 / 1.11 ms at 8x4096x16x128.
+# Forward+backward on an H100, bf16, chunk 32, chunks-first / heads-first with 'split': 8x4096x16x128
+# 9.13 / 9.05 ms, 2x16384x32x128 19.17 / 18.25; one row, chunks-first with the then faster 'two' /
+# heads-first 'split': 1x8192x96x128 15.18 / 14.29, 1x65536x32x128 41.57 / 37.72 (BENCHMARKS.md).
 _GRID_ORDERS = {"chunks": {3: (0, 1, 2), 4: (0, 1, 2, 3)}, "heads": {3: (1, 0, 2), 4: (2, 1, 0, 3)}}
 _CHAIN_KERNELS = ("state_fwd", "state_bwd")  # value-block grids (V / BV, H, B), not reordered
 
@@ -1272,8 +1272,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         (w, u, Aqk, v_new, per-chunk states); None: the inputs' precision. 'bfloat16' (the default
         for 16-bit q, k, v): half the bytes and bf16 tensor cores, with errors against the float64
         recurrence below fla's own (BENCHMARKS.md). 'float32' (the default for fp32 inputs, full fp32
-        products there): with 16-bit inputs TF32 operands and fp32 intermediates, about 25% less
-        error and four times the time.
+        products there): with 16-bit inputs TF32 operands and fp32 intermediates, 20-25% less error
+        for 1.7 times the time (H100, 8x4096x16x128).
       tuning: optional dict of `with_overrides` knobs (bk, bki, bp, bv, bf, launch, backward,
         strip_precision, order) replacing the block sizes, Triton launches or backward plan chosen for the shape;
         the result is the same (strip_precision='tf32' trades the gate gradient's accuracy for speed).
