@@ -715,7 +715,7 @@ def _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
         for j in range(cfg.K // cfg.BP):
             blk = pl.ds(j * cfg.BP, cfg.BP)
             kb = bmf * k_ref[:, blk].astype(f32) * jnp.exp(G_ref[:, blk])
-            dT = dT + _mm_nt(dw_ref[:, blk], kb, pt)
+            dT = dT + _mm_nt(dw_ref[:, blk].astype(f32), kb, pt)
     row, col = _iota((C, C), 0), _iota((C, C), 1)
     doc = doc_ref[...]
     same = doc[:, None] == doc[None, :]
@@ -738,12 +738,12 @@ def _inter_bwd_kernel(q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref
     """One chunk and key block [C, BKI]: `_state_terms` into memory."""
     dq, dk, dG_end, dw = _state_terms(cfg, q_ref, k_ref, G_ref, mf_ref, ml_ref, h_ref, dh_ref, do_ref, vn_ref,
                                       dvn_ref)
-    dq_ref[...], dk_ref[...], dge_ref[...], dw_ref[...] = dq, dk, dG_end, dw
+    dq_ref[...], dk_ref[...], dge_ref[...], dw_ref[...] = dq, dk, dG_end, dw.astype(dw_ref.dtype)
 
 
 def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref,
                       dvn_ref, last_ref, dv_ref, dbeta_ref, da_ref, dl_ref, *, cfg: _Cfg, from_state: bool):
-    """One chunk: `_pairs_terms`. last_ref is dw [C, K] fp32 written by `_inter_bwd_kernel` ('split'),
+    """One chunk: `_pairs_terms`. last_ref is dw [C, K] written by `_inter_bwd_kernel` ('split'),
     or with from_state the state entering the chunk, S_in^T [V, K] ('two'), so no dw goes through
     memory."""
     terms = _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_ref, vn_ref, dvn_ref,
@@ -756,8 +756,8 @@ def _intra_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, t_ref, dw_re
     """One chunk and key block [C, BK]: `_strip_terms` added to the state terms read from memory."""
     dq0, dk0 = dq0_ref[...], dk0_ref[...]
     dG0 = _state_dG(cfg, q_ref, k_ref, dq0, dk0, dge_ref[...])
-    strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, dw_ref[...],
-                          dq0, dk0, dG0)
+    strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref,
+                          dw_ref[...].astype(jnp.float32), dq0, dk0, dG0)
     _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref)
 
 
@@ -971,23 +971,28 @@ def _chunk_rows(BK):
 
 
 def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
-    """Inter-chunk parts of dq, dk and dw, each [B, Tp, H, K] fp32, and dGamma's last-row term per chunk
-    [B, NT, H, K] fp32 (the rest of its part is formed from dq and dk, `_state_dG`); every term is per
-    key channel, so the grid splits the keys into blocks."""
+    """Inter-chunk parts of dq and dk [B, Tp, H, K] fp32, dw [B, Tp, H, K] in cfg.md and dGamma's
+    last-row term per chunk [B, NT, H, K] fp32 (the rest of its part is formed from dq and dk,
+    `_state_dG`); every term is per key channel, so the grid splits the keys into blocks.
+
+    dw only feeds TF32 products (dT, dkb), so the bf16 variant stores it in bf16: 6 of its 12 bytes of
+    traffic per element saved, and under emulated GPU rounding (1x1000x2x128) dbeta's error moved by
+    0.1% and no other. dq and dk stay fp32: their parts cancel in dGamma (bf16 there: dg +10%)."""
     B, Tp, H, K = q.shape
     BK, V, NT = cfg.BKI, cfg.V, cfg.NT
     kblk, tok, _, per_row = _kblock_specs(cfg, BK)
     state = pl.BlockSpec((None, None, V, BK), lambda n, j, h, b: (b, h, n, j))
     f32 = jax.ShapeDtypeStruct((B, Tp, H, K), jnp.float32)
+    dw = jax.ShapeDtypeStruct((B, Tp, H, K), cfg.md)
     return _call(cfg, _inter_bwd_kernel, "inter_bwd", (NT, K // BK, H, B),
                  [kblk, kblk, kblk, per_row, per_row, state, state, tok(V), tok(V), tok(V)],
                  [kblk, kblk, _chunk_rows(BK), kblk],
-                 [f32, f32, jax.ShapeDtypeStruct((B, NT, H, K), jnp.float32), f32])(q, k, G, mf, ml, h, dh, do, vn, dvn)
+                 [f32, f32, jax.ShapeDtypeStruct((B, NT, H, K), jnp.float32), dw])(q, k, G, mf, ml, h, dh, do, vn, dvn)
 
 
 def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
     """dv [B, Tp, H, V], the value part of dbeta [B, Tp, H] fp32, dL and dAqk [B, Tp, H, C] fp32, from
-    dw [B, Tp, H, K] fp32 ('split') or from the per-chunk states h [B, H, NT * V, K] ('two')."""
+    dw [B, Tp, H, K] ('split') or from the per-chunk states h [B, H, NT * V, K] ('two')."""
     B, Tp, H, K = k.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
     tok, per_tok, per_row, state = _chunk_specs(cfg)
