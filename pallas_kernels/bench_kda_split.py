@@ -80,9 +80,8 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
 
     w, u, aqk, Tm, qg, kg = P._intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml)
     timed("intra_fwd", lambda *a: P._intra_fwd(cfg, *a), (q, k, v, G, beta, doc, mf, ml))
-    vn, h, ht = P._state_fwd(cfg, kg, G, w, u, mf, h0t)
-    timed("state_fwd", lambda *a: P._state_fwd(cfg, *a), (kg, G, w, u, mf, h0t))
-    timed("output_fwd", lambda *a: P._output_fwd(cfg, *a, q.dtype), (qg, h, aqk, vn))
+    _, vn, h, ht = P._state_fwd(cfg, kg, G, w, u, mf, h0t, qg, aqk, q.dtype)
+    timed("state_fwd", lambda *a: P._state_fwd(cfg, *a, q.dtype), (kg, G, w, u, mf, h0t, qg, aqk))
     dht = jnp.zeros_like(ht)
     dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
     timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))

@@ -26,8 +26,7 @@ chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 be
               _l2norm_fwd  (NT, H, B)        qk_l2norm only: q, k normalised, their inverse norms kept
     forward   _intra_fwd   (NT, H, B)        Aqk, L by row strips; T strip by strip from T = I - L T
                                              with 16 x 16 Neumann inverses; w, u; decayed qg, kg
-              _state_fwd   (V/BV, H, B)      the state chain (two matmuls a step): v_new, per-chunk states
-              _output_fwd  (NT, H, B)        o = qg S_in + Aqk v_new
+              _state_fwd   (V/BV, H, B)      the state chain: v_new, o = qg S_in + Aqk v_new, per-chunk states
     backward  _state_bwd   (V/BV, H, B)      reverse chain: dh per chunk, dv_new, d initial state
               _chunk_bwd   (NT, H, B)        K <= 64: the rest, one program per chunk: dv, dL = -T^T dT T^T
                                              and dAqk over the whole chunk (dT summed over key blocks of
@@ -178,14 +177,14 @@ class _Cfg:
 # chunks; the chunk kernels hold a chunk's [C, K] operands and [C, C] pair matrices.
 # Measured on the H200 at chunk 32 (BENCHMARKS.md): 4 warps beat 8 for every kernel; pipelining the
 # chains (stages 2) did not pay, as their next chunk's loads are already issued ahead by hand.
-_LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "output_fwd": (4, 1), "state_bwd": (4, 1),
+_LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "state_bwd": (4, 1),
            "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1),
            "pairs_h_bwd": (4, 1), "keys_bwd": (4, 1), "gate_fwd": (4, 1), "l2norm_fwd": (4, 1),
            "l2norm_bwd": (4, 1)}
 # Head dims up to _SMALL_K leave a 4-warp program mostly idle on its [C, K] tiles. Measured on the
 # H200 at 8x4096x32x32, chunk 32, bf16 (pallas_kernels/results/bench_kda_split_h200_k32_warps.json):
-# chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94;
-# output_fwd 0.25 / 0.29 / 0.30 and the state chains stayed best at 4.
+# chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94; the state
+# chains stayed best at 4.
 _SMALL_K = 32
 _LAUNCH_SMALL_K = {"intra_fwd": (1, 1), "chunk_bwd": (2, 1)}
 
@@ -222,6 +221,8 @@ def _dot_with(precision):
 
 
 _dot_exact = _dot_with(lax.Precision.HIGHEST)
+
+
 # A product's precision (`_Cfg._prec`) -> how to run it. On the GPU 'tf32' is one tensor-core pass on
 # TF32-rounded fp32 operands (about 3 decimal digits), 'tf32x3' three passes (about fp32's accuracy) and
 # 'bf16x3' three bf16 passes on each operand's bf16 high and low parts (about 5 digits, bf16 tensor cores
@@ -420,35 +421,39 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, ml_
     kg_ref[...] = kg.astype(kg_ref.dtype)
 
 
-def _state_fwd_kernel(kg_ref, G_ref, w_ref, u_ref, mf_ref, h0_ref, vn_ref, h_ref, ht_ref, *, cfg: _Cfg):
-    """One (row, head, value block): the chunk chain, two matmuls a step. The state is kept
-    transposed, St = S^T [BV, K]; the state entering each chunk is saved for the output kernel.
-    Chunk n + 1's operands are loaded before chunk n's stores, so their latency overlaps the step."""
+def _state_fwd_kernel(kg_ref, G_ref, w_ref, u_ref, mf_ref, h0_ref, qg_ref, aqk_ref, o_ref, *out_refs,
+                      cfg: _Cfg, keep_states: bool):
+    """One (row, head, value block): the chunk chain and the output, four matmuls a step. The state
+    is kept transposed, St = S^T [BV, K]. Per chunk: v_new = u - w S_in, o = qg S_in + Aqk v_new,
+    S_out = decay S_in + kg^T v_new; only the last feeds the next step, so the output's two products
+    sit off the chain's critical path, and S_in goes from registers into o instead of through memory
+    to a separate output kernel. With keep_states v_new and the state entering each chunk are saved
+    for the backward (out_refs: v_new, h, then the final state; else the final state only). Chunk
+    n + 1's operands are loaded before chunk n's stores, so their latency overlaps the step."""
     C, md, pm, NT = cfg.C, cfg.md, cfg.prec_mm, cfg.NT
+    vn_ref, h_ref, ht_ref = out_refs if keep_states else (None, None, *out_refs)
     j = pl.program_id(0)
 
     def load(n):
         rows = pl.ds(n * C, C)
-        return w_ref[rows, :], u_ref[rows, :], kg_ref[rows, :], _last_decay(G_ref, mf_ref, n, C)
+        return (w_ref[rows, :], u_ref[rows, :], kg_ref[rows, :], qg_ref[rows, :], aqk_ref[rows, :],
+                _last_decay(G_ref, mf_ref, n, C))
 
     def body(n, carry):
-        St, (w, u, kg, decay) = carry
+        St, (w, u, kg, qg, aqk, decay) = carry
         nxt = load(jnp.minimum(n + 1, NT - 1))
-        h_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = St.astype(h_ref.dtype)
-        vn = (u.astype(jnp.float32) - _mm_nt(w, St.astype(md), pm)).astype(md)
-        vn_ref[pl.ds(n * C, C), :] = vn.astype(vn_ref.dtype)
+        Sm = St.astype(md)
+        if keep_states:
+            h_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = Sm.astype(h_ref.dtype)
+        vn = (u.astype(jnp.float32) - _mm_nt(w, Sm, pm)).astype(md)
+        rows = pl.ds(n * C, C)
+        if keep_states:
+            vn_ref[rows, :] = vn.astype(vn_ref.dtype)
+        o_ref[rows, :] = (_mm_nt(qg, Sm, pm) + _mm(aqk, vn, pm)).astype(o_ref.dtype)
         return St * decay + _mm_tn(vn, kg, pm), nxt
 
     St, _ = lax.fori_loop(0, NT, body, (h0_ref[...].astype(jnp.float32), load(0)))
     ht_ref[...] = St
-
-
-def _output_fwd_kernel(qg_ref, h_ref, aqk_ref, vn_ref, o_ref, *, cfg: _Cfg):
-    """One chunk: o = qg S_in + Aqk v_new [C, V] (qg is zero on rows of a document that starts
-    inside the chunk, which do not see S_in)."""
-    md, pm = cfg.md, cfg.prec_mm
-    o = _mm_nt(qg_ref[...], h_ref[...].astype(md), pm) + _mm(aqk_ref[...], vn_ref[...].astype(md), pm)
-    o_ref[...] = o.astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -878,28 +883,25 @@ def _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml):
                  )(q, k, v, G, beta, doc, mf, ml)
 
 
-def _state_fwd(cfg, kg, G, w, u, mf, h0t):
-    """v_new [B, Tp, H, V], per-chunk states [B, H, NT * V, K], final state^T [B, H, V, K]."""
+def _state_fwd(cfg, kg, G, w, u, mf, h0t, qg, aqk, out_dtype, keep_states=True):
+    """The chain and the output: o [B, Tp, H, V] (out_dtype), with keep_states v_new [B, Tp, H, V] and
+    the per-chunk states [B, H, NT * V, K] (else None for both), and the final state^T [B, H, V, K]."""
     B, Tp, H, K = kg.shape
     V, NT = cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
-    return _call(cfg, _state_fwd_kernel, "state_fwd", (V // cfg.BV, H, B),
-                 [stok(K), stok(K), stok(K), vblk, srow, one_state],
-                 [vblk, states, one_state],
-                 [jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md),
-                  jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
-                  jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
-                 )(kg, G, w, u, mf, h0t)
-
-
-def _output_fwd(cfg, qg, h, aqk, vn, out_dtype):
-    """o [B, Tp, H, V] from the saved states, Aqk and v_new, every chunk in parallel."""
-    B, Tp, H, K = qg.shape
-    C, V, NT = cfg.C, cfg.V, cfg.NT
-    tok, _, _, state = _chunk_specs(cfg)
-    return _call(cfg, _output_fwd_kernel, "output_fwd", (NT, H, B),
-                 [tok(K), state, tok(C), tok(V)], tok(V),
-                 jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype))(qg, h, aqk, vn)
+    kernel = functools.partial(_state_fwd_kernel, keep_states=keep_states)
+    outs = [(vblk, jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype))]
+    if keep_states:
+        outs += [(vblk, jax.ShapeDtypeStruct((B, Tp, H, V), cfg.md)),
+                 (states, jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype))]
+    outs.append((one_state, jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)))
+    res = _call(cfg, kernel, "state_fwd", (V // cfg.BV, H, B),
+                [stok(K), stok(K), stok(K), vblk, srow, one_state, stok(K), stok(cfg.C)],
+                [spec for spec, _ in outs], [shape for _, shape in outs],
+                )(kg, G, w, u, mf, h0t, qg, aqk)
+    o, *saved, ht = res
+    vn, h = saved if keep_states else (None, None)
+    return o, vn, h, ht
 
 
 def _prologue(cfg, q, k, g):
@@ -912,12 +914,12 @@ def _prologue(cfg, q, k, g):
     return q, k, _gate_fwd(cfg, g), norms
 
 
-def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml):
+def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml, keep_states=True):
     """The core from the kernels' inputs (Gamma, not g): o [B, Tp, H, V], final state^T and the
-    intermediates the backward reads."""
+    intermediates the backward reads (without keep_states, a forward that no backward follows,
+    v_new and the per-chunk states are not written: both None)."""
     w, u, aqk, T, qg, kg = _intra_fwd(cfg, q, k, v, G, beta, doc, mf, ml)
-    vn, h, ht = _state_fwd(cfg, kg, G, w, u, mf, h0t)
-    o = _output_fwd(cfg, qg, h, aqk, vn, v.dtype)
+    o, vn, h, ht = _state_fwd(cfg, kg, G, w, u, mf, h0t, qg, aqk, v.dtype, keep_states)
     return o, ht, (w, aqk, T, h, vn, qg, kg)
 
 
@@ -1090,7 +1092,7 @@ def _backward(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, d
 def _kda(cfg, q, k, v, g, beta, h0t, doc, mf, ml):
     """o [B, Tp, H, V] and the final state^T [B, H, V, K] from the padded inputs; g is the raw gate."""
     q, k, G, _ = _prologue(cfg, q, k, g)
-    o, ht, _ = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml)
+    o, ht, _ = _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml, keep_states=False)
     return o, ht
 
 

@@ -16,16 +16,16 @@ def _captured(shape, **kw):
 def test_capture_finds_every_kda_kernel_with_its_launch():
     big = _captured((1, 40, 2, 128), launch=(("pairs_bwd", 8, 2),), backward="split")
     names = [k.name for k in big]
-    assert names == ["kda_l2norm_fwd"] * 2 + ["kda_gate_fwd", "kda_intra_fwd", "kda_state_fwd", "kda_output_fwd",
-                                              "kda_state_bwd", "kda_inter_bwd", "kda_pairs_bwd", "kda_intra_bwd"
+    assert names == ["kda_l2norm_fwd"] * 2 + ["kda_gate_fwd", "kda_intra_fwd", "kda_state_fwd", "kda_state_bwd",
+                                              "kda_inter_bwd", "kda_pairs_bwd", "kda_intra_bwd"
                                               ] + ["kda_l2norm_bwd"] * 2
     launches = {k.name: (k.num_warps, k.num_stages) for k in big}
     assert launches["kda_pairs_bwd"] == (8, 2) and launches["kda_intra_fwd"] == P._LAUNCH["intra_fwd"]
     assert all(k.module[:4] == b"ML\xefR" for k in big)  # MLIR bytecode
 
     small = {k.name: (k.num_warps, k.num_stages) for k in _captured((1, 40, 2, 32))}
-    assert set(small) == {"kda_l2norm_fwd", "kda_gate_fwd", "kda_intra_fwd", "kda_state_fwd", "kda_output_fwd",
-                          "kda_state_bwd", "kda_chunk_bwd", "kda_l2norm_bwd"}
+    assert set(small) == {"kda_l2norm_fwd", "kda_gate_fwd", "kda_intra_fwd", "kda_state_fwd", "kda_state_bwd",
+                          "kda_chunk_bwd", "kda_l2norm_bwd"}
     split = [k.name for k in _captured((1, 40, 2, 128))]  # one row: still 'split' by default
     assert "kda_intra_bwd" in split and "kda_keys_bwd" not in split
     two = [k.name for k in _captured((1, 40, 2, 128), backward="two")]

@@ -402,6 +402,49 @@ def test_launch_order_changes_nothing_but_the_order(backward):
     assert _rel(o0, np.zeros_like(o0)) > 0  # not a vacuous comparison of empty outputs
 
 
+def _state_fwd_outputs(jaxpr):
+    """Output shapes of the kda_state_fwd calls in a jaxpr (nested jaxprs included)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if "kda_state_fwd" in str(eqn.params.get("name", "")):
+            found.append([tuple(v.aval.shape) for v in eqn.outvars])
+        for val in eqn.params.values():
+            for sub in val if isinstance(val, (list, tuple)) else [val]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and "kda_state_fwd" not in str(eqn.params.get("name", "")):
+                    found += _state_fwd_outputs(inner)
+    return found
+
+
+def test_forward_without_backward_writes_no_states(x64):
+    """The chain kernel forms o itself, so a forward that no backward follows never writes v_new or the
+    per-chunk states [B, H, NT * V, K]; with a backward it does. Both give the same o and final state,
+    bit for bit (two rows, a ragged last chunk, packed documents)."""
+    q, k, v, g, beta, h0, do, dht = _inputs(np.random.default_rng(23), 2, 70, 2, 64, 48)
+    seg = np.repeat(np.asarray([[0] * 30 + [1] * 40]), 2, axis=0)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(x, jnp.float32) for x in (g, beta, h0)]
+    fn = functools.partial(chunk_kda, output_final_state=True, segment_ids=jnp.asarray(seg), interpret=True)
+
+    def forward(q, k, v, g, beta, h0):
+        return fn(q, k, v, g, beta, initial_state=h0)
+
+    def loss(*a):
+        o, ht = forward(*a)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * dht), (o, ht)
+
+    fwd_only = _state_fwd_outputs(jax.make_jaxpr(forward)(*args).jaxpr)
+    with_bwd = _state_fwd_outputs(jax.make_jaxpr(jax.grad(loss, has_aux=True))(*args).jaxpr)
+    NT, K, V = 3, 64, 64  # 70 tokens in chunks of 32; K and V padded to powers of two
+    assert len(fwd_only) == 1 and len(with_bwd) == 1, (fwd_only, with_bwd)
+    assert len(fwd_only[0]) == 2 and len(with_bwd[0]) == 4, (fwd_only, with_bwd)  # + v_new, states
+    assert (2, 2, NT * V, K) not in fwd_only[0] and (2, 2, NT * V, K) in with_bwd[0], (fwd_only, with_bwd)
+    o0, ht0 = jax.jit(forward)(*args)
+    _, (o1, ht1) = jax.jit(jax.grad(loss, has_aux=True))(*args)
+    np.testing.assert_array_equal(np.asarray(o0, np.float32), np.asarray(o1, np.float32))
+    np.testing.assert_array_equal(np.asarray(ht0), np.asarray(ht1))
+    assert _rel(o0, np.zeros_like(o0)) > 0
+
+
 @pytest.mark.slow
 def test_tiny_k3_same_loss_and_grads_with_pallas():
     """The whole model: KDA layers through the kernel give the reference's loss and gradients."""
