@@ -126,6 +126,10 @@ class _Cfg:
     # fla's 3.3e-3; under `K3_PALLAS_EMULATE_TF32=1` on the CPU: 6.6e-3), since dGamma sums products of
     # e^{+-Gamma}-rescaled factors that cancel. Three bf16 passes bring it to the other gradients' level
     # (2.4e-3 emulated), as three TF32 passes do, with half the tensor-core work of the latter.
+    # 'bf16x2' rounds the pair matrices (dAqk, beta dL) once and splits the factors: dg keeps its level
+    # (the rounded pair enters both sides of every cancelling pair), dq, dk and dg lose about 15%
+    # (1x1000x2x128 emulated: dq 2.87e-3 -> 3.31e-3, over fla's 3.22e-3 at 8x4096x16x128 on an H100),
+    # and `kda_intra_bwd` takes 2.38 ms against 2.98 (same H100 and shape): a speed knob, not the default.
     strip_precision: str = "bf16x3"
     lower_bound: float = -5.0  # g is clamped into [lower_bound, 0] inside `_gate_fwd_kernel`
     qk_l2norm: bool = False  # q and k arrive raw and are L2-normalised by `_l2norm_fwd_kernel`
@@ -223,16 +227,31 @@ def _dot_with(precision):
 _dot_exact = _dot_with(lax.Precision.HIGHEST)
 
 
+def _two_pass(cast, dot):
+    """a rounded once, b split into its high and low parts: a_hi b_lo + a_hi b_hi, two passes. Used
+    where a is a pair matrix (dA, dP) that meets the same rounded values in every product it enters,
+    so the pair's +/- contributions to dGamma still cancel exactly; b (the decay-rescaled factors,
+    which differ between the two sides of a pair) keeps about 16 bits."""
+    def f(a, b, dims):
+        a_hi, b_hi = cast(a), cast(b)
+        b_lo = cast(b - b_hi.astype(jnp.float32))
+        return dot(a_hi, b_lo, dims) + dot(a_hi, b_hi, dims)
+    return f
+
+
 # A product's precision (`_Cfg._prec`) -> how to run it. On the GPU 'tf32' is one tensor-core pass on
 # TF32-rounded fp32 operands (about 3 decimal digits), 'tf32x3' three passes (about fp32's accuracy) and
 # 'bf16x3' three bf16 passes on each operand's bf16 high and low parts (about 5 digits, bf16 tensor cores
-# at twice TF32's rate); bf16 operands are exact in all three. The interpreter computes fp32 products
-# exactly unless the '_emulated' forms model the rounding.
+# at twice TF32's rate); bf16 operands are exact in all three. 'bf16x2' (`_two_pass`) rounds the first
+# operand to bf16 and splits only the second. The interpreter computes fp32 products exactly unless the
+# '_emulated' forms model the rounding.
 _DOTS = {"exact": _dot_exact, "tf32": _dot_with(lax.Precision.DEFAULT),
          "tf32x3": _dot_with(lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
          "bf16x3": _dot_with(lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
          "tf32_emulated": _dot_tf32_emulated, "tf32x3_emulated": _three_pass_emulated(_round_tf32),
-         "bf16x3_emulated": _three_pass_emulated(_round_bf16)}
+         "bf16x3_emulated": _three_pass_emulated(_round_bf16),
+         "bf16x2": _two_pass(lambda x: x.astype(jnp.bfloat16), _dot_with(lax.Precision.DEFAULT)),
+         "bf16x2_emulated": _two_pass(_round_bf16, _dot_exact)}
 
 
 def _mm(a, b, prec):
@@ -1219,7 +1238,7 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
 
 
 _TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward", "strip_precision", "order"})
-_STRIP_PRECISIONS = ("tf32", "tf32x3", "bf16x3")
+_STRIP_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "bf16x2")
 
 
 def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto", strip_precision=None,
@@ -1228,7 +1247,7 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
     backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
     state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, an
     `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim) and the strip products' precision
-    ('tf32', 'tf32x3' or 'bf16x3', the default; None keeps it) and the chunk grids' launch order (a
+    ('tf32', 'tf32x3', 'bf16x2' or 'bf16x3', the default; None keeps it) and the chunk grids' launch order (a
     `_GRID_ORDERS` key; None keeps it)."""
     width = min(cfg.K, cfg.V)
     for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V),
