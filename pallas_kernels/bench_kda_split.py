@@ -2,7 +2,7 @@
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two]
-        [--strip_precision=tf32|tf32x3|bf16x3|bf16x2] [--kernels=state_fwd,...] [--out=FILE.json]
+        [--strip_precision=tf32|tf32x3|bf16x3|bf16x2|tf32_rounded] [--kernels=state_fwd,...] [--out=FILE.json]
 
 A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]]: key blocks of the strip backward and of
 the inter-chunk backward, column block of the pairs backward, value block of the state chains, key block
@@ -50,7 +50,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
     time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice;
-    strip_precision: 'tf32', 'tf32x3', 'bf16x3' or 'bf16x2' (None: the module's)."""
+    strip_precision: a `pallas_kernels.kda._STRIP_PRECISIONS` entry (None: the module's)."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = jax.random.normal(keys[0], (B, T, H, K)).astype(jnp.bfloat16)

@@ -2,7 +2,7 @@
 
     python -m pallas_kernels.compile_report [--kernels=kda] [--shape=8x4096x16x128]
         [--variants=32:bfloat16] [--launch=pairs_bwd=8/1,...] [--backward=auto|fused|split|two]
-        [--strip_precision=tf32|tf32x3|bf16x3|bf16x2] [--arch=9.0] [--json=FILE]
+        [--strip_precision=tf32|tf32x3|bf16x3|bf16x2|tf32_rounded] [--arch=9.0] [--json=FILE]
 
 Every Pallas kernel of a whole train step: `python -m experiments.aot_report --registers ...`.
 

@@ -130,6 +130,11 @@ class _Cfg:
     # (the rounded pair enters both sides of every cancelling pair), dq, dk and dg lose about 15%
     # (1x1000x2x128 emulated: dq 2.87e-3 -> 3.31e-3, over fla's 3.22e-3 at 8x4096x16x128 on an H100),
     # and `kda_intra_bwd` takes 2.38 ms against 2.98 (same H100 and shape): a speed knob, not the default.
+    # 'tf32_rounded' rounds the factors to TF32 before one TF32 pass (`strip_factors`): the cancelling
+    # pairs then meet identical values on both sides. Emulated at 1x1000x2x128, bf16 variant, seeds 0
+    # and 1: dq 2.87e-3 / 2.94e-3, dg 2.92e-3 / 3.00e-3, as bf16x3's 2.87e-3 / 2.92e-3 and 2.90e-3 /
+    # 2.97e-3 (plain 'tf32': dg 6.79e-3 / 6.62e-3). Plain 'tf32' took 2.76 ms in `kda_intra_bwd`
+    # against bf16x3's 2.98 on an H100; this form's own time is not yet measured.
     strip_precision: str = "bf16x3"
     lower_bound: float = -5.0  # g is clamped into [lower_bound, 0] inside `_gate_fwd_kernel`
     qk_l2norm: bool = False  # q and k arrive raw and are L2-normalised by `_l2norm_fwd_kernel`
@@ -167,7 +172,16 @@ class _Cfg:
 
     @property
     def prec_strip(self):
-        return self._prec(self.strip_precision)
+        return self._prec(_STRIP_DOTS.get(self.strip_precision, self.strip_precision))
+
+    def strip_factors(self, *factors):
+        """The strip products' decay-rescaled factors (kc, rq, rk), as every product and every
+        elementwise use of them must see them: for 'tf32_rounded', rounded to TF32 once, so the
+        product that carries a pair's contribution to dGamma_i and the one that carries its negative
+        to dGamma_j multiply the same values and cancel, though each runs as one TF32 pass."""
+        if self.strip_precision != "tf32_rounded" or self.prec_strip == "exact":
+            return factors
+        return tuple(_round_tf32(x) for x in factors)
 
     def _prec(self, fast):
         """A product's precision, a `_DOTS` key: 'exact' for fp32 inputs, else `fast` (a GPU form),
@@ -585,9 +599,8 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, G_ref, g_ref, beta_ref, doc_ref, mf_r
         for r in range(nb):
             rows = pl.ds(r * _SUB, _SUB)
             row_f, col_f = _strip(G_ref, r, C, blk)
-            kc = k * col_f
-            rq = q_ref[rows, blk].astype(f32) * row_f
-            rk = k_ref[rows, blk].astype(f32) * row_f
+            kc, rq, rk = cfg.strip_factors(k * col_f, q_ref[rows, blk].astype(f32) * row_f,
+                                           k_ref[rows, blk].astype(f32) * row_f)
             row_dbeta[r] = row_dbeta[r] + jnp.sum(dL_r[r] * _mm_nt(rk, kc, ps), axis=1)
             dP = beta_ref[rows].astype(f32)[:, None] * dL_r[r]
             Xq, Xk = _mm(dA_r[r], kc, ps), _mm(dP, kc, ps)
@@ -675,9 +688,8 @@ def _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_r
     for r in range(nb):
         rows = pl.ds(r * _SUB, _SUB)
         row_f, col_f = _strip(G_ref, r, C)
-        kc = k * col_f
-        rq = q_ref[rows, :].astype(f32) * row_f
-        rk = k_ref[rows, :].astype(f32) * row_f
+        kc, rq, rk = cfg.strip_factors(k * col_f, q_ref[rows, :].astype(f32) * row_f,
+                                       k_ref[rows, :].astype(f32) * row_f)
         dA, dL = da_ref[rows, :], dl_ref[rows, :]
         row_dbeta.append(jnp.sum(dL * _mm_nt(rk, kc, ps), axis=1))
         dP = beta_ref[rows].astype(f32)[:, None] * dL
@@ -1238,7 +1250,8 @@ def _prepare(q, k, v, g, beta, *, scale, initial_state, segment_ids, interpret, 
 
 
 _TUNING = frozenset({"bk", "bki", "bp", "bv", "bf", "launch", "backward", "strip_precision", "order"})
-_STRIP_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "bf16x2")
+_STRIP_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "bf16x2", "tf32_rounded")
+_STRIP_DOTS = {"tf32_rounded": "tf32"}  # strip precisions that run an existing `_DOTS` form
 
 
 def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="auto", strip_precision=None,
@@ -1247,7 +1260,7 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
     backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
     state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, an
     `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim) and the strip products' precision
-    ('tf32', 'tf32x3', 'bf16x2' or 'bf16x3', the default; None keeps it) and the chunk grids' launch order (a
+    ('tf32', 'tf32x3', 'bf16x2', 'tf32_rounded' or 'bf16x3', the default; None keeps it) and the chunk grids' launch order (a
     `_GRID_ORDERS` key; None keeps it)."""
     width = min(cfg.K, cfg.V)
     for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V),

@@ -211,21 +211,27 @@ def test_gate_gradient_accuracy_with_the_gpu_products_modelled(x64, monkeypatch)
     """With the GPU's TF32 and bf16x3 rounding modelled (K3_PALLAS_EMULATE_TF32=1), the gate at its
     bound: the default three-pass strip products keep dg at the other gradients' error level, and one
     TF32 pass there (the old behaviour, 6.2e-3 against fla's 3.3e-3 on an H100) loses it by an order
-    of magnitude; the other gradients do not depend on it. The two-pass 'bf16x2' keeps dg too. Both
-    intermediate dtypes."""
+    of magnitude; the other gradients do not depend on it. The two-pass 'bf16x2' keeps dg too, and
+    'tf32_rounded' (one TF32 pass, the factors rounded first) keeps every gradient at the default's
+    level. Both intermediate dtypes."""
     monkeypatch.setenv("K3_PALLAS_EMULATE_TF32", "1")
     args = _inputs(np.random.default_rng(11), 1, 77, 1, 128, 128, gate="bound")
     ro, _, rgrads = _reference(_rounded(args, jnp.bfloat16))
     for md, limit in (("float32", 2e-3), ("bfloat16", 3.5e-3)):
         errs = {}
         for name, tuning in (("default", None), ("tf32", dict(strip_precision="tf32")),
-                             ("bf16x2", dict(strip_precision="bf16x2"))):
+                             ("bf16x2", dict(strip_precision="bf16x2")),
+                             ("tf32_rounded", dict(strip_precision="tf32_rounded"))):
             o, _, grads = _kernel(args, jnp.bfloat16, tuning=tuning, matmul_dtype=md)
             errs[name] = {n: _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), grads, rgrads)}
         assert errs["default"]["g"] < limit and errs["tf32"]["g"] > 1e-2, (md, errs)
         assert errs["default"]["g"] < 1.1 * max(errs["default"][n] for n in "qkv"), (md, errs)
         # two passes with the pair matrices rounded once keep the cancellation (dg), not dq's last bits
         assert errs["bf16x2"]["g"] < min(limit, 1.1 * max(errs["bf16x2"][n] for n in "qkv")), (md, errs)
+        # one TF32 pass on factors rounded beforehand: both sides of a pair see the same values
+        rounded = errs["tf32_rounded"]
+        assert rounded["g"] < min(limit, 1.1 * max(rounded[n] for n in "qkv")), (md, errs)
+        assert all(rounded[n] < 1.05 * errs["default"][n] for n in ("q", "k", "v", "g", "beta")), (md, errs)
         assert all(abs(errs["tf32"][n] / errs["default"][n] - 1) < 0.05 for n in ("q", "k", "v")), (md, errs)
 
 
