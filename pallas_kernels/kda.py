@@ -1259,9 +1259,9 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
     """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
     backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
     state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, an
-    `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim) and the strip products' precision
-    ('tf32', 'tf32x3', 'bf16x2', 'tf32_rounded' or 'bf16x3', the default; None keeps it) and the chunk grids' launch order (a
-    `_GRID_ORDERS` key; None keeps it)."""
+    `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim), the strip products' precision
+    (a `_STRIP_PRECISIONS` entry, 'bf16x3' the default; None keeps it) and the chunk grids' launch
+    order (a `_GRID_ORDERS` key; None keeps it)."""
     width = min(cfg.K, cfg.V)
     for name, blk, dim in (("bk", bk, cfg.K), ("bki", bki, cfg.K), ("bp", bp, width), ("bv", bv, cfg.V),
                            ("bf", bf, cfg.K)):
