@@ -205,6 +205,9 @@ def test_tf32_rounding_and_the_emulated_products():
     a16 = np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
     ref16 = a16.astype(np.float64) @ b.astype(np.float64)
     assert _rel(pallas_kda._DOTS["bf16x2_emulated"](jnp.asarray(a16), jnp.asarray(b), dims), ref16) < 2e-5
+    # the GPU form (bf16 operands, fp32 accumulation) computes the same two products
+    gpu = pallas_kda._DOTS["bf16x2"](jnp.asarray(a), jnp.asarray(b), dims)
+    assert _rel(gpu, pallas_kda._DOTS["bf16x2_emulated"](jnp.asarray(a), jnp.asarray(b), dims)) < 1e-6
 
 
 def test_gate_gradient_accuracy_with_the_gpu_products_modelled(x64, monkeypatch):
