@@ -89,3 +89,14 @@ def depth_mix_plain(cands, valid, extra, extra_valid, w, eps):
     lg = jnp.einsum("mbtd,d->mbt", v, w) / jnp.sqrt(jnp.mean(v * v, axis=-1) + eps)
     p = jax.nn.softmax(jnp.where(ok[:, None, None], lg, -jnp.inf), axis=0)
     return jnp.einsum("mbt,mbtd->btd", p, v)
+
+
+def all_eqns(jaxpr):
+    """The equations of a jaxpr and of every jaxpr nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for val in eqn.params.values():
+            for sub in (val if isinstance(val, (tuple, list)) else [val]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from all_eqns(inner)

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_cfg
+from conftest import all_eqns, tiny_model_cfg
 from k3 import muon as muon_lib
 from k3 import optim
 from k3.config import default_config
@@ -332,17 +332,6 @@ def test_per_head_muon_orthogonalises_each_head():
     assert max(whole_ratios) > 3.0, whole_ratios         # orthogonal, its head blocks are not
 
 
-def _all_eqns(jaxpr):
-    """The equations of a jaxpr and of every jaxpr nested in its equations' parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for val in eqn.params.values():
-            for sub in (val if isinstance(val, (tuple, list)) else [val]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)
-
-
 def test_bf16_first_moment_runs_newton_schulz_in_bf16_and_matches_fp32(tiny):
     params, _, opts = tiny
     cfg32, tx32, _, step32 = opts["muon"]
@@ -352,7 +341,7 @@ def test_bf16_first_moment_runs_newton_schulz_in_bf16_and_matches_fp32(tiny):
     grads = _random_like(params, seed=3)
     state16 = tx16.init(params)
     jaxpr = jax.make_jaxpr(lambda g, s, p: tx16.update(g, s, p))(grads, state16, params).jaxpr
-    dots = [eqn for eqn in _all_eqns(jaxpr) if eqn.primitive.name == "dot_general"]
+    dots = [eqn for eqn in all_eqns(jaxpr) if eqn.primitive.name == "dot_general"]
     # Every Newton-Schulz product takes bf16 operands (and accumulates in fp32).
     assert dots and all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars)
     mus = [x for x in jax.tree.leaves(state16) if hasattr(x, "dtype") and x.ndim >= 2]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_cfg
+from conftest import all_eqns, tiny_model_cfg
 from k3.model import Model, cross_entropy
 from k3.kda import ops as kda
 from pallas_kernels import kda as pallas_kda
@@ -421,16 +421,8 @@ def test_launch_order_changes_nothing_but_the_order(backward):
 
 def _state_fwd_outputs(jaxpr):
     """Output shapes of the kda_state_fwd calls in a jaxpr (nested jaxprs included)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if "kda_state_fwd" in str(eqn.params.get("name", "")):
-            found.append([tuple(v.aval.shape) for v in eqn.outvars])
-        for val in eqn.params.values():
-            for sub in val if isinstance(val, (list, tuple)) else [val]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and "kda_state_fwd" not in str(eqn.params.get("name", "")):
-                    found += _state_fwd_outputs(inner)
-    return found
+    return [[tuple(v.aval.shape) for v in eqn.outvars] for eqn in all_eqns(jaxpr)
+            if "kda_state_fwd" in str(eqn.params.get("name", ""))]
 
 
 def test_forward_without_backward_writes_no_states(x64):
