@@ -1,14 +1,14 @@
 """Where the Pallas KDA kernel's time goes: each of its kernels timed on its own.
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
-        [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two]
+        [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two|chain]
         [--strip_precision=tf32|tf32x3|bf16x3|bf16x2|tf32_rounded] [--kernels=state_fwd,...] [--out=FILE.json]
 
 A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]]: key blocks of the strip backward and of
 the inter-chunk backward, column block of the pairs backward, value block of the state chains, key block
 of the forward's pair sums (0 or absent: the kernel module's). --launch=kernel=warps/stages,...
-overrides the Triton launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the kernels
-after the reverse chain (`pallas_kernels.kda._AFTER_CHAIN`; auto: the module's choice for the key dim),
+overrides the Triton launch parameters of `pallas_kernels.kda._LAUNCH`; --backward picks the backward plan
+(`pallas_kernels.kda._BACKWARDS`; auto: the module's choice for the key dim),
 --strip_precision the precision of the backward's strip products (default: the module's).
 Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in [-5, 0)); each kernel's inputs are
 computed once and the kernel alone is jitted and timed as `bench_kda` times whole functions: --iters
@@ -49,7 +49,7 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     backward kernels, bv: value block of the state chains, bf: key block of the forward's pair sums
     (0: the module's defaults);
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
-    time (default all); backward: an `_AFTER_CHAIN` entry, or 'auto' for the module's choice;
+    time (default all); backward: a `_BACKWARDS` entry, or 'auto' for the module's choice;
     strip_precision: a `pallas_kernels.kda._STRIP_PRECISIONS` entry (None: the module's)."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
@@ -84,7 +84,8 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     timed("state_fwd", lambda *a: P._state_fwd(cfg, *a, q.dtype), (kg, G, w, u, mf, h0t, qg, aqk))
     dht = jnp.zeros_like(ht)
     dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
-    timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
+    if cfg.backward != "chain":
+        timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
     if cfg.backward == "fused":
         timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a),
               (q, k, v, G, g, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
@@ -95,9 +96,15 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
         _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args, h=h)
         timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a), (q, k, G, g, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
         return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
-    inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
-    timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
-    dq0, dk0, dGe, dw = P._inter_bwd(cfg, *inter_args)
+    if cfg.backward == "chain":
+        chain_args = (qg, kg, G, w, aqk, do, mf, dht)
+        terms = (h, vn, k, ml)
+        timed("state_terms_bwd", lambda *a: P._state_bwd(cfg, *a, terms=terms), chain_args)
+        dvn, _, dq0, dk0, dw, dGe = P._state_bwd(cfg, *chain_args, terms=terms)
+    else:
+        inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
+        timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
+        dq0, dk0, dGe, dw = P._inter_bwd(cfg, *inter_args)
     pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn, dw)
     timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a[:-1], dw=a[-1]), pairs_args)
     _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args[:-1], dw=dw)
@@ -123,7 +130,7 @@ def main(argv=None):
     p.add_argument("--variants", default="64:float32,32:float32")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--launch", type=parse_launch, default=())
-    p.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
+    p.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._BACKWARDS))
     p.add_argument("--strip_precision", default=None, choices=P._STRIP_PRECISIONS)
     p.add_argument("--kernels", default="", help="comma-separated kernels to time (default: all)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))

@@ -224,7 +224,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="32:bfloat16",
                     help="comma-separated chunk:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]], as bench_kda_split")
     ap.add_argument("--launch", type=parse_launch, default=(), help="kernel=warps/stages,...")
-    ap.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._AFTER_CHAIN))
+    ap.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._BACKWARDS))
     ap.add_argument("--strip_precision", default=None, choices=P._STRIP_PRECISIONS)
     ap.add_argument("--arch", default="9.0", help="compute capability to compile for (9.0: H100/H200)")
     ap.add_argument("--ptxas", default="")

@@ -32,12 +32,14 @@ chunks in a `fori_loop` with the fp32 state in registers, loading chunk n + 1 be
                                              and dAqk over the whole chunk (dT summed over key blocks of
                                              BK), then per key block the terms through the states and,
                                              by row strips, dq, dk, dGamma; dbeta over all keys
-              or, K > 64, the same in three kernels ('split' in `_AFTER_CHAIN`):
+              or, K > 64, the same in three kernels ('split' in `_BACKWARDS`):
               _inter_bwd   (NT, K/BKI, H, B) the terms through the states (dq, dk, dGamma parts; dw)
               _pairs_bwd   (NT, H, B)        whole-chunk: dv, dbeta (values), dL = -T^T dT T^T, dAqk
               _intra_bwd   (NT, K/BK, H, B)  by row strips: the rest of dq, dk, dGamma, dbeta (keys)
               or in two ('two'): _pairs_bwd with the states instead of dw, and _keys_bwd
               (NT, K/BK, H, B), the state and strip terms of one key block in one program
+              or ('chain') the reverse chain forms the terms through the states per value block
+              in place of dh, and _pairs_bwd and _intra_bwd add the value blocks' parts
               The kernel that completes dGamma turns it into dg (reverse cumsum, clamp mask).
     epilogue  _l2norm_bwd  (NT, H, B)        qk_l2norm only: dq, dk (fp32 from the kernels) through the norm
 
@@ -116,7 +118,7 @@ class _Cfg:
     interpret: bool
     exact: bool  # full-fp32 matmuls; otherwise fp32 operands may run as TF32 on the GPU
     launch: tuple = ()  # ((kernel, warps, stages), ...) overriding _LAUNCH
-    backward: str = "fused"  # `_AFTER_CHAIN` entry: the backward kernels after the reverse chain
+    backward: str = "fused"  # `_BACKWARDS` entry: the reverse chain and the kernels after it
     BKI: int = 0  # key block of the split backward's inter-chunk kernel (0: BK)
     BP: int = 0  # column block of the pairs backward kernel (0: the whole min(K, V))
     BF: int = 0  # key block of the forward's pair sums (0: the whole K)
@@ -198,7 +200,10 @@ class _Cfg:
 _LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "state_bwd": (4, 1),
            "chunk_bwd": (4, 1), "inter_bwd": (4, 1), "pairs_bwd": (4, 1), "intra_bwd": (4, 1),
            "pairs_h_bwd": (4, 1), "keys_bwd": (4, 1), "gate_fwd": (4, 1), "l2norm_fwd": (4, 1),
-           "l2norm_bwd": (4, 1)}
+           "l2norm_bwd": (4, 1), "state_terms_bwd": (8, 1)}
+# The reverse chain that also forms the terms through the states ('chain' backward) holds this chunk's
+# S_in, k and Gamma besides the state: at K = V = 128, value block 64, chunk 32, bf16, ptxas (sm_90,
+# `compile_report`) spills 848 B per thread with 4 warps and 24 B with 8.
 # Head dims up to _SMALL_K leave a 4-warp program mostly idle on its [C, K] tiles. Measured on the
 # H200 at 8x4096x32x32, chunk 32, bf16 (pallas_kernels/results/bench_kda_split_h200_k32_warps.json):
 # chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94; the state
@@ -324,6 +329,15 @@ def _last_decay(G_ref, mf_ref, n, C):
     last token still belongs to its document."""
     last = pl.ds(n * C + C - 1, 1)
     return jnp.exp(G_ref[last, :]) * mf_ref[last][None, :]
+
+
+def _total(ref, cols=slice(None)):
+    """ref[:, cols] in fp32 for a [C, BK] or [1, BK] block; a ref that also has a leading axis of
+    value-block parts (the reverse chain that forms the state terms writes one per value block) is
+    summed over it."""
+    if len(ref.shape) == 2:
+        return ref[:, cols].astype(jnp.float32)
+    return functools.reduce(jnp.add, [ref[p, :, cols].astype(jnp.float32) for p in range(ref.shape[0])])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -494,28 +508,54 @@ def _state_fwd_kernel(kg_ref, G_ref, w_ref, u_ref, mf_ref, h0_ref, qg_ref, aqk_r
 # ----------------------------------------------------------------------------------------------------
 
 
-def _state_bwd_kernel(qg_ref, kg_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, dht_ref,
-                      dh_ref, dvn_ref, dh0_ref, *, cfg: _Cfg):
-    """Reverse chunk chain: dh_n (gradient of the state leaving chunk n), dv_new, d initial state.
-    As in the forward chain, the next chunk's operands are loaded before this chunk's stores."""
-    C, md, pm, NT = cfg.C, cfg.md, cfg.prec_mm, cfg.NT
+def _state_bwd_kernel(qg_ref, kg_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, dht_ref, *refs, cfg: _Cfg,
+                      terms: bool):
+    """Reverse chunk chain: dv_new, d initial state, and either dh_n (the gradient of the state
+    leaving chunk n) for the kernels after the chain, or (terms) this value block's part of the terms
+    through the states, formed from dS_out while it is in registers: dq0, dk0, dw [C, K] and dGamma's
+    last-row term [1, K] per chunk (`_state_terms`; they are sums over the value channels, so each
+    value block writes its own slab and the readers add them, `_total`). With terms, refs starts with
+    the inputs h (S_in^T per chunk), v_new, k and ml. As in the forward chain, the next chunk's operands
+    are loaded before this chunk's stores."""
+    C, md, pm, NT, f32 = cfg.C, cfg.md, cfg.prec_mm, cfg.NT, jnp.float32
     j = pl.program_id(0)
+    if terms:
+        h_ref, vn_ref, k_ref, ml_ref, dvn_ref, dh0_ref, dq0_ref, dk0_ref, dw_ref, dge_ref = refs
+    else:
+        dh_ref, dvn_ref, dh0_ref = refs
 
     def load(n):
         rows = pl.ds(n * C, C)
-        return (qg_ref[rows, :], kg_ref[rows, :], w_ref[rows, :], aqk_ref[rows, :],
-                do_ref[rows, :].astype(md), _last_decay(G_ref, mf_ref, n, C))
+        ops = (qg_ref[rows, :], kg_ref[rows, :], w_ref[rows, :], aqk_ref[rows, :], do_ref[rows, :].astype(md),
+               _last_decay(G_ref, mf_ref, n, C))
+        return ops
 
     def body(i, carry):
         dSt, (qg, kg, w, aqk, dO, decay) = carry
         n = NT - 1 - i
         nxt = load(jnp.maximum(n - 1, 0))
-        dh_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = dSt.astype(dh_ref.dtype)
-        dvn = _mm_tn(aqk, dO, pm) + _mm_nt(kg, dSt.astype(md), pm)
-        dvn_ref[pl.ds(n * C, C), :] = dvn
+        rows = pl.ds(n * C, C)
+        if terms:  # this chunk's operands of the terms, loaded here: carried ahead they would spill
+            h, vn = h_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :], vn_ref[rows, :].astype(md)
+            k, G, G_end = k_ref[rows, :].astype(f32), G_ref[rows, :], G_ref[pl.ds(n * C + C - 1, 1), :]
+            mf, ml = mf_ref[rows], ml_ref[rows]
+        dSm = dSt.astype(md)
+        if not terms:
+            dh_ref[pl.ds(n * cfg.V + j * cfg.BV, cfg.BV), :] = dSm.astype(dh_ref.dtype)
+        dvn = _mm_tn(aqk, dO, pm) + _mm_nt(kg, dSm, pm)
+        dvn_ref[rows, :] = dvn
+        if terms:  # off the chain's critical path: nothing below feeds the next step
+            Sh = h.astype(md)
+            dq0 = cfg.scale * jnp.exp(G) * mf[:, None] * _mm(dO, Sh, pm)
+            dk0 = jnp.exp(G_end - G) * ml[:, None] * _mm(vn, dSm, pm)
+            dd = jnp.sum(h.astype(f32) * dSt, axis=0)[None, :]
+            dq0_ref[rows, :] = dq0
+            dk0_ref[rows, :] = dk0
+            dw_ref[rows, :] = (-_mm(dvn.astype(md), Sh, pm)).astype(dw_ref.dtype)
+            dge_ref[pl.ds(n, 1), :] = decay * dd + jnp.sum(k * dk0, axis=0)[None, :]
         return dSt * decay + _mm_tn(dO, qg, pm) - _mm_tn(dvn.astype(md), w, pm), nxt
 
-    dSt, _ = lax.fori_loop(0, NT, body, (dht_ref[...].astype(jnp.float32), load(NT - 1)))
+    dSt, _ = lax.fori_loop(0, NT, body, (dht_ref[...].astype(f32), load(NT - 1)))
     dh0_ref[...] = dSt
 
 
@@ -751,7 +791,7 @@ def _pairs_terms(cfg, k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
         for j in range(cfg.K // cfg.BP):
             blk = pl.ds(j * cfg.BP, cfg.BP)
             kb = bmf * k_ref[:, blk].astype(f32) * jnp.exp(G_ref[:, blk])
-            dT = dT + _mm_nt(dw_ref[:, blk].astype(f32), kb, pt)
+            dT = dT + _mm_nt(_total(dw_ref, blk), kb, pt)
     row, col = _iota((C, C), 0), _iota((C, C), 1)
     doc = doc_ref[...]
     same = doc[:, None] == doc[None, :]
@@ -790,10 +830,10 @@ def _pairs_bwd_kernel(k_ref, v_ref, G_ref, beta_ref, doc_ref, mf_ref, t_ref, do_
 def _intra_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, t_ref, dw_ref, da_ref, dl_ref,
                       dq0_ref, dk0_ref, dge_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: _Cfg):
     """One chunk and key block [C, BK]: `_strip_terms` added to the state terms read from memory."""
-    dq0, dk0 = dq0_ref[...], dk0_ref[...]
-    dG0 = _state_dG(cfg, q_ref, k_ref, dq0, dk0, dge_ref[...])
-    strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref,
-                          dw_ref[...].astype(jnp.float32), dq0, dk0, dG0)
+    dq0, dk0 = _total(dq0_ref), _total(dk0_ref)
+    dG0 = _state_dG(cfg, q_ref, k_ref, dq0, dk0, _total(dge_ref))
+    strips = _strip_terms(cfg, q_ref, k_ref, G_ref, beta_ref, mf_ref, t_ref, da_ref, dl_ref, _total(dw_ref), dq0,
+                          dk0, dG0)
     _store_strips(cfg, strips, g_ref, dq_ref, dk_ref, dg_ref, dbeta_ref)
 
 
@@ -822,7 +862,7 @@ def _keys_bwd_kernel(q_ref, k_ref, G_ref, g_ref, beta_ref, mf_ref, ml_ref, t_ref
 # 9.13 / 9.05 ms, 2x16384x32x128 19.17 / 18.25; one row, chunks-first with the then faster 'two' /
 # heads-first 'split': 1x8192x96x128 15.18 / 14.29, 1x65536x32x128 41.57 / 37.72 (BENCHMARKS.md).
 _GRID_ORDERS = {"chunks": {3: (0, 1, 2), 4: (0, 1, 2, 3)}, "heads": {3: (1, 0, 2), 4: (2, 1, 0, 3)}}
-_CHAIN_KERNELS = ("state_fwd", "state_bwd")  # value-block grids (V / BV, H, B), not reordered
+_CHAIN_KERNELS = ("state_fwd", "state_bwd", "state_terms_bwd")  # value-block grids (V / BV, H, B), not reordered
 
 
 def _ordered(order, spec):
@@ -954,18 +994,33 @@ def _forward(cfg, q, k, v, G, beta, h0t, doc, mf, ml, keep_states=True):
     return o, ht, (w, aqk, T, h, vn, qg, kg)
 
 
-def _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht):
-    """dh [B, H, NT * V, K], dv_new [B, Tp, H, V], d initial state^T [B, H, V, K]."""
+def _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht, terms=None):
+    """dh [B, H, NT * V, K], dv_new [B, Tp, H, V], d initial state^T [B, H, V, K]. With terms = (h, v_new, k,
+    ml), instead of dh the value blocks' parts P = V / BV of the terms through the states: dv_new, d initial
+    state^T, dq0, dk0 [P, B, Tp, H, K] fp32, dw [P, B, Tp, H, K] (cfg.md) and dGamma's last-row term
+    [P, B, NT, H, K] fp32 (`_total` adds the parts)."""
     B, Tp, H, K = qg.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
     stok, vblk, srow, states, one_state = _seq_specs(cfg)
-    return _call(cfg, _state_bwd_kernel, "state_bwd", (V // cfg.BV, H, B),
-                 [stok(K), stok(K), stok(K), stok(K), stok(C), vblk, srow, one_state],
-                 [states, vblk, one_state],
-                 [jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype),
-                  jax.ShapeDtypeStruct((B, Tp, H, V), jnp.float32),
-                  jax.ShapeDtypeStruct((B, H, V, K), jnp.float32)],
-                 )(qg, kg, G, w, aqk, do, mf, dht)
+    ins = [stok(K), stok(K), stok(K), stok(K), stok(C), vblk, srow, one_state]
+    dvn = (vblk, jax.ShapeDtypeStruct((B, Tp, H, V), jnp.float32))
+    dh0 = (one_state, jax.ShapeDtypeStruct((B, H, V, K), jnp.float32))
+    if terms is None:
+        outs, extra = [(states, jax.ShapeDtypeStruct((B, H, NT * V, K), cfg.h_dtype)), dvn, dh0], ()
+    else:
+        P = V // cfg.BV
+
+        def part(L, dtype):
+            spec = pl.BlockSpec((None, None, L, None, K), lambda j, h, b: (j, b, 0, h, 0))
+            return spec, jax.ShapeDtypeStruct((P, B, L, H, K), dtype)
+
+        ins += [states, vblk, stok(K), srow]
+        outs, extra = [dvn, dh0, part(Tp, jnp.float32), part(Tp, jnp.float32), part(Tp, cfg.md),
+                       part(NT, jnp.float32)], terms
+    kernel = functools.partial(_state_bwd_kernel, terms=terms is not None)
+    name = "state_bwd" if terms is None else "state_terms_bwd"
+    return _call(cfg, kernel, name, (V // cfg.BV, H, B), ins, [spec for spec, _ in outs],
+                 [shape for _, shape in outs])(qg, kg, G, w, aqk, do, mf, dht, *extra)
 
 
 def _chunk_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
@@ -1023,15 +1078,23 @@ def _inter_bwd(cfg, q, k, G, mf, ml, h, dh, do, vn, dvn):
                  [f32, f32, jax.ShapeDtypeStruct((B, NT, H, K), jnp.float32), dw])(q, k, G, mf, ml, h, dh, do, vn, dvn)
 
 
+def _with_parts(spec, x):
+    """`spec` for x, or, where x has one more (leading) axis, for x's value-block parts [P, ...] whole."""
+    if x.ndim == len(spec.block_shape):
+        return spec
+    return pl.BlockSpec((x.shape[0], *spec.block_shape), lambda *ids: (0, *spec.index_map(*ids)))
+
+
 def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
     """dv [B, Tp, H, V], the value part of dbeta [B, Tp, H] fp32, dL and dAqk [B, Tp, H, C] fp32, from
-    dw [B, Tp, H, K] ('split') or from the per-chunk states h [B, H, NT * V, K] ('two')."""
+    dw [B, Tp, H, K] ('split'; or its value-block parts [P, B, Tp, H, K], 'chain') or from the per-chunk
+    states h [B, H, NT * V, K] ('two')."""
     B, Tp, H, K = k.shape
     C, V, NT = cfg.C, cfg.V, cfg.NT
     tok, per_tok, per_row, state = _chunk_specs(cfg)
     from_state = h is not None
     kernel = functools.partial(_pairs_bwd_kernel, from_state=from_state)
-    name, last, spec = ("pairs_h_bwd", h, state) if from_state else ("pairs_bwd", dw, tok(K))
+    name, last, spec = ("pairs_h_bwd", h, state) if from_state else ("pairs_bwd", dw, _with_parts(tok(K), dw))
     pairs = jax.ShapeDtypeStruct((B, Tp, H, C), jnp.float32)
     return _call(cfg, kernel, name, (NT, H, B),
                  [tok(K), tok(V), tok(K), per_tok, per_row, per_row, tok(C), tok(V), tok(V), tok(V), spec],
@@ -1043,14 +1106,16 @@ def _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, *, dw=None, h=None):
 
 def _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dGe):
     """dq, dk [B, Tp, H, K] (cfg.dqk_dtype), dg [B, Tp, H, K] fp32, and the key blocks' parts of dbeta
-    [K / BK, B, Tp, H] fp32."""
+    [K / BK, B, Tp, H] fp32. dw, dq0, dk0 [B, Tp, H, K] and dGe [B, NT, H, K] may each come as value-block
+    parts with a leading axis P (`_state_bwd` with terms)."""
     B, Tp, H, K = q.shape
     C, BK, NT = cfg.C, cfg.BK, cfg.NT
     nk = K // BK
     kblk, tok, per_tok, per_row = _kblock_specs(cfg, BK)
     part = pl.BlockSpec((None, None, C, None), lambda n, j, h, b: (j, b, n, h))
+    terms = [_with_parts(spec, x) for spec, x in ((kblk, dw), (kblk, dq0), (kblk, dk0), (_chunk_rows(BK), dGe))]
     return _call(cfg, _intra_bwd_kernel, "intra_bwd", (NT, nk, H, B),
-                 [kblk, kblk, kblk, kblk, per_tok, per_row, tok(C), kblk, tok(C), tok(C), kblk, kblk, _chunk_rows(BK)],
+                 [kblk, kblk, kblk, kblk, per_tok, per_row, tok(C), terms[0], tok(C), tok(C), *terms[1:]],
                  [kblk, kblk, kblk, part],
                  [jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
                   jax.ShapeDtypeStruct((B, Tp, H, K), cfg.dqk_dtype),
@@ -1094,15 +1159,35 @@ def _two_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn):
     return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=0)
 
 
-# What runs after the reverse state chain (`_Cfg.backward`). Measured on the H200 at chunk 32
-# (BENCHMARKS.md): fused 3.9 ms against split 5.2 ms at K = 32; at K = 128 the fused program spills
-# (11.1 ms with one key block of 128, 29.3 with two of 64) and split takes 5.8 ms.
-_AFTER_CHAIN = {"fused": _chunk_bwd, "split": _split_bwd, "two": _two_bwd}
+def _with_dh(after):
+    """A backward plan whose kernels read dh: the reverse chain stores it, then `after` forms dq, dk, dv,
+    dg and dbeta."""
+    def plan(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
+        dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
+        return (*after(cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn, dvn), dh0)
+    return plan
+
+
+def _chain_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
+    """'split' without `_inter_bwd` and dh: the reverse chain forms the terms through the states itself
+    (per value block; `_pairs_bwd` and `_intra_bwd` add the parts). Saves dh's store and load, one
+    launch and the re-reads of dO, v_new and dv_new, for P = V / BV stores and loads of the terms."""
+    dvn, dh0, dq0, dk0, dw, dGe = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht, terms=(h, vn, k, ml))
+    dv, dbeta_v, dA, dL = _pairs_bwd(cfg, k, v, G, beta, doc, mf, T, do, vn, dvn, dw=dw)
+    dq, dk, dg, dbeta_k = _intra_bwd(cfg, q, k, G, g, beta, mf, T, dw, dA, dL, dq0, dk0, dGe)
+    return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=0), dh0
+
+
+# The backward plans (`_Cfg.backward`). Measured on the H200 at chunk 32 (BENCHMARKS.md): fused 3.9 ms
+# against split 5.2 ms after the reverse chain at K = 32; at K = 128 the fused program spills (11.1 ms
+# with one key block of 128, 29.3 with two of 64) and split takes 5.8 ms.
+_BACKWARDS = {"fused": _with_dh(_chunk_bwd), "split": _with_dh(_split_bwd), "two": _with_dh(_two_bwd),
+              "chain": _chain_bwd}
 _FUSED_MAX_K = 64
 
 
 def _backward_plan(K):
-    """The `_AFTER_CHAIN` entry for padded key dim K: 'split' above _FUSED_MAX_K. Forward+backward ms,
+    """The `_BACKWARDS` entry for padded key dim K: 'split' above _FUSED_MAX_K. Forward+backward ms,
     bf16, chunk 32, one H100, heads-first grids (`_GRID_ORDERS`), split / two: 8x4096x16x128 9.05 /
     9.08, 1x8192x96x128 14.29 / 14.51, 2x16384x32x128 18.25 / 18.41, 1x65536x32x128 37.72 / 39.05,
     1x32768x16x128 10.29 / 10.50, 2x4096x96x128 14.00 / 14.38 (BENCHMARKS.md). With chunks-first
@@ -1113,9 +1198,8 @@ def _backward_plan(K):
 
 def _backward(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, do, dht):
     """dq, dk (cfg.dqk_dtype), dv, dg (fp32, through the clamp and the cumsum), dbeta, d initial state^T."""
-    dh, dvn, dh0 = _state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
-    dq, dk, dv, dg, dbeta = _AFTER_CHAIN[cfg.backward](cfg, q, k, v, G, g, beta, doc, mf, ml, T, h, dh, do, vn,
-                                                       dvn)
+    dq, dk, dv, dg, dbeta, dh0 = _BACKWARDS[cfg.backward](cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn,
+                                                          qg, kg, do, dht)
     return dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0
 
 
@@ -1259,7 +1343,7 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
     """`cfg` with the benchmark knobs applied: key blocks bk (strip backward), bki (inter-chunk
     backward) and bf (the forward's pair sums), column block bp (pairs backward) and value block bv (the
     state chains; 0 keeps each default), ((kernel, warps, stages), ...) launches over `_LAUNCH`, an
-    `_AFTER_CHAIN` backward ('auto' keeps the choice for the key dim), the strip products' precision
+    `_BACKWARDS` backward ('auto' keeps the choice for the key dim), the strip products' precision
     (a `_STRIP_PRECISIONS` entry, 'bf16x3' the default; None keeps it) and the chunk grids' launch
     order (a `_GRID_ORDERS` key; None keeps it)."""
     width = min(cfg.K, cfg.V)
@@ -1267,8 +1351,8 @@ def with_overrides(cfg, *, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), backward="a
                            ("bf", bf, cfg.K)):
         if blk and (blk < 16 or blk & (blk - 1) or (blk < dim and dim % blk)):
             raise ValueError(f"chunk_kda: {name} must be a power of two >= 16; got {blk}")
-    if backward not in ("auto", *_AFTER_CHAIN):
-        raise ValueError(f"chunk_kda: backward must be 'auto' or one of {sorted(_AFTER_CHAIN)}; got {backward!r}")
+    if backward not in ("auto", *_BACKWARDS):
+        raise ValueError(f"chunk_kda: backward must be 'auto' or one of {sorted(_BACKWARDS)}; got {backward!r}")
     unknown = sorted({entry[0] for entry in launch} - set(_LAUNCH))
     if unknown:
         raise ValueError(f"chunk_kda: launch names unknown kernels {unknown}; expected some of {sorted(_LAUNCH)}")

@@ -154,13 +154,15 @@ def test_packed_documents_equal_separate_runs(x64, chunk_size):
 
 
 @pytest.mark.parametrize("backward,bk,bp,bv", [("fused", 32, 0, 0), ("fused", 64, 0, 32), ("split", 32, 0, 0),
-                                               ("split", 64, 16, 64), ("two", 32, 16, 16), ("two", 64, 0, 0)])
+                                               ("split", 64, 16, 64), ("two", 32, 16, 16), ("two", 64, 0, 0),
+                                               ("chain", 32, 16, 16), ("chain", 64, 0, 32), ("chain", 32, 0, 64)])
 def test_backward_kernels_equal_reference_gradient(x64, backward, bk, bp, bv):
-    """Every backward plan (`_AFTER_CHAIN`) at an awkward size against the gradient of the jnp chunked
+    """Every backward plan (`_BACKWARDS`) at an awkward size against the gradient of the jnp chunked
     reference: T = 77 (not a multiple of the chunk), K = 48 padded to 64 (two key blocks of 32 when
     bk = 32, one of 64 otherwise), V = 40 padded to 64, packed documents with boundaries inside chunks;
     the pairs kernels over the whole width or in column blocks of bp = 16; the state chains over the
-    whole value width (bv = 64) or in blocks of bv = 16 (the default for 4 rows x heads) or 32."""
+    whole value width (bv = 64) or in blocks of bv = 16 (the default for 4 rows x heads) or 32 ('chain':
+    the state terms in one, four or two value-block parts)."""
     B, T, H, K, V = 2, 77, 2, 48, 40
     args = [np.asarray(np.asarray(x, np.float32), np.float64)
             for x in _inputs(np.random.default_rng(bk), B, T, H, K, V)]
@@ -405,7 +407,7 @@ def test_tuning_changes_the_kernels_not_the_result(x64):
     assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
 
 
-@pytest.mark.parametrize("backward", ["fused", "split", "two"])
+@pytest.mark.parametrize("backward", ["fused", "split", "two", "chain"])
 def test_launch_order_changes_nothing_but_the_order(backward):
     """The chunk grids launched chunks-first (tuning order='chunks') instead of heads-first (the
     default): each program still reads and writes its own blocks, so output, final state and gradients
