@@ -2,7 +2,8 @@
 
     python -m pallas_kernels.bench_kda_split [--shape=8x4096x16x128] [--variants=64:float32,32:float32]
         [--iters=10] [--launch=intra_fwd=8/1,...] [--backward=auto|fused|split|two|chain]
-        [--strip_precision=tf32|tf32x3|bf16x3|bf16x2|tf32_rounded] [--kernels=state_fwd,...] [--out=FILE.json]
+        [--strip_precision=tf32|tf32x3|bf16x3|bf16x2|tf32_rounded] [--kernels=state_fwd,...] [--no_time]
+        [--out=FILE.json]
 
 A variant is chunk_size:matmul_dtype[:bk[:bki[:bp[:bv[:bf]]]]]: key blocks of the strip backward and of
 the inter-chunk backward, column block of the pairs backward, value block of the state chains, key block
@@ -14,7 +15,10 @@ Inputs follow `pallas_kernels.bench_kda` (bf16 q, k, v; g in [-5, 0)); each kern
 computed once and the kernel alone is jitted and timed as `bench_kda` times whole functions: --iters
 calls queued back to back and waited for once, after 3 warm-ups; the median over 5 rounds of the
 per-call mean (results before 2026-12-06 are single waited calls, which add 0.3-0.5 ms of dispatch to
-each kernel). Prints a table and writes JSON.
+each kernel). Each kernel's bytes moved (its operands and results, each once: the least HBM traffic it
+can have) and the fraction of the device's HBM bandwidth (`k3.hardware`) that moving them in the
+measured time takes say how far it runs from its memory floor; --no_time gives the bytes alone, from
+shapes, on any machine. Prints a table and writes JSON.
 """
 
 import os
@@ -22,13 +26,16 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from k3.hardware import device_hbm_bandwidth  # noqa: E402
 from pallas_kernels import kda as P  # noqa: E402
 from pallas_kernels.bench_kda import pipelined_ms  # noqa: E402
 
@@ -41,9 +48,20 @@ def _time(fn, args, iters):
     return compile_s, float(np.median(pipelined_ms(compiled, args, 3, iters)))
 
 
+def moved_bytes(fn, args):
+    """Bytes of fn's operands and results, each counted once [int]: the least HBM traffic of a kernel
+    that reads every input and writes every output once (operands that several programs read again, as
+    the key-blocked kernels read the [C, C] pair matrices, count once)."""
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    leaves = [*shapes, *jax.tree.leaves(jax.eval_shape(fn, *shapes))]
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
 def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, launch=(), kernels=None,
-          backward="auto", strip_precision=None):
-    """Median ms and compile s of each forward and backward kernel for one shape and variant.
+          backward="auto", strip_precision=None, timing=True):
+    """Median ms, compile s and bytes moved (`moved_bytes`) of each forward and backward kernel for one
+    shape and variant; with timing=False the bytes only, from shapes (nothing is computed: any shape on
+    any machine).
 
     bk, bki: key blocks of the strip and inter-chunk backward kernels, bp: column block of the pairs
     backward kernels, bv: value block of the state chains, bf: key block of the forward's pair sums
@@ -51,6 +69,25 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     launch: ((kernel, warps, stages), ...) overriding the module's defaults; kernels: the names to
     time (default all); backward: a `_BACKWARDS` entry, or 'auto' for the module's choice;
     strip_precision: a `pallas_kernels.kda._STRIP_PRECISIONS` entry (None: the module's)."""
+    rows = {}
+    wanted = set(kernels or P._LAUNCH)
+
+    def timed(name, fn, args):
+        if name in wanted:
+            c, m = _time(fn, args, iters) if timing else (None, None)
+            rows[name] = dict(compile_s=c, median_ms=m, bytes=moved_bytes(fn, args))
+
+    flow = functools.partial(_flow, shape, chunk, matmul_dtype, timed, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf,
+                             launch=launch, backward=backward, strip_precision=strip_precision)
+    if timing:
+        flow()
+    else:
+        jax.eval_shape(flow)
+    return rows
+
+
+def _flow(shape, chunk, matmul_dtype, timed, *, bk, bki, bp, bv, bf, launch, backward, strip_precision):
+    """Every kernel of the forward and backward in order, each passed to timed(name, fn, args)."""
     B, T, H, K = shape
     keys = jax.random.split(jax.random.key(0), 6)
     q = jax.random.normal(keys[0], (B, T, H, K)).astype(jnp.bfloat16)
@@ -64,12 +101,6 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
         chunk_size=chunk, lower_bound=-5.0, check_gate=False, matmul_dtype=matmul_dtype, qk_l2norm=True)
     cfg = P.with_overrides(cfg, bk=bk, bki=bki, bp=bp, bv=bv, bf=bf, launch=launch, backward=backward,
                            strip_precision=strip_precision)
-    wanted = set(kernels or P._LAUNCH)
-    rows = {}
-
-    def timed(name, fn, args):
-        if name in wanted:
-            rows[name] = _time(fn, args, iters)
 
     q, q_r = P._l2norm_fwd(cfg, q_raw)
     k, _ = P._l2norm_fwd(cfg, k_raw)
@@ -89,13 +120,13 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     if cfg.backward == "fused":
         timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a),
               (q, k, v, G, g, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
-        return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
+        return
     if cfg.backward == "two":
         pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn)
         timed("pairs_h_bwd", lambda *a: P._pairs_bwd(cfg, *a, h=h), pairs_args)
         _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args, h=h)
         timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a), (q, k, G, g, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
-        return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
+        return
     if cfg.backward == "chain":
         chain_args = (qg, kg, G, w, aqk, do, mf, dht)
         terms = (h, vn, k, ml)
@@ -109,7 +140,6 @@ def split(shape, chunk, matmul_dtype, iters, bk=0, bki=0, bp=0, bv=0, bf=0, laun
     timed("pairs_bwd", lambda *a: P._pairs_bwd(cfg, *a[:-1], dw=a[-1]), pairs_args)
     _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args[:-1], dw=dw)
     timed("intra_bwd", lambda *a: P._intra_bwd(cfg, *a), (q, k, G, g, beta, mf, Tm, dw, dA, dL, dq0, dk0, dGe))
-    return {name: dict(compile_s=c, median_ms=m) for name, (c, m) in rows.items()}
 
 
 def parse_launch(text):
@@ -133,28 +163,34 @@ def main(argv=None):
     p.add_argument("--backward", default="auto", choices=("auto",) + tuple(P._BACKWARDS))
     p.add_argument("--strip_precision", default=None, choices=P._STRIP_PRECISIONS)
     p.add_argument("--kernels", default="", help="comma-separated kernels to time (default: all)")
+    p.add_argument("--no_time", action="store_true", help="bytes moved only, from shapes (any machine)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_split.json"))
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
+    hbm = None if args.no_time else device_hbm_bandwidth()
     report = dict(shape=shape, device=jax.devices()[0].device_kind, jax=jax.__version__, backward=args.backward,
-                  strip_precision=args.strip_precision, variants={})
-    print("| variant | kernel | ms | share | compile s |\n|---|---|---|---|---|")
+                  strip_precision=args.strip_precision, hbm_bytes_per_s=hbm, timed=not args.no_time, variants={})
+    print("| variant | kernel | ms | share | MB moved | % of HBM bandwidth | compile s |\n|---|---|---|---|---|---|---|")
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     for variant in args.variants.split(","):
         chunk, dtype, *blocks = variant.split(":")
         try:
             rows = split(shape, int(chunk), dtype, args.iters, *(int(b) for b in blocks), launch=args.launch,
                          backward=args.backward, strip_precision=args.strip_precision,
-                         kernels=[k for k in args.kernels.split(",") if k] or None)
+                         kernels=[k for k in args.kernels.split(",") if k] or None, timing=not args.no_time)
         except Exception as exc:  # keep the other variants
             report["variants"][variant] = dict(error=repr(exc)[:500])
-            print(f"| {variant} | error | {repr(exc)[:120]} | | |", flush=True)
+            print(f"| {variant} | error | {repr(exc)[:120]} | | | | |", flush=True)
             continue
         report["variants"][variant] = rows
-        total = sum(r["median_ms"] for r in rows.values())
-        for name, r in rows.items():
-            print(f"| {variant} | {name} | {r['median_ms']:.3f} | {r['median_ms'] / total:.2f} | "
-                  f"{r['compile_s']:.1f} |", flush=True)
-        print(f"| {variant} | total | {total:.3f} | 1.00 | |", flush=True)
+        total_ms = None if args.no_time else sum(r["median_ms"] for r in rows.values())
+        total_b = sum(r["bytes"] for r in rows.values())
+        for name, r in [*rows.items(), ("total", dict(median_ms=total_ms, bytes=total_b, compile_s=None))]:
+            ms = r["median_ms"]
+            share = None if ms is None else ms / total_ms
+            frac = None if ms is None or hbm is None else 100 * r["bytes"] / (ms * 1e-3) / hbm
+            print(f"| {variant} | {name} | {fmt(ms, '.3f')} | {fmt(share, '.2f')} | {r['bytes'] / 1e6:.1f} | "
+                  f"{fmt(frac, '.0f')} | {fmt(r['compile_s'], '.1f')} |", flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 

@@ -69,3 +69,32 @@ def test_bench_kda_split_rejects_an_unknown_kernel_name():
     assert bench_kda_split.parse_launch("intra_fwd=4/2,state_bwd=8") == (("intra_fwd", 4, 2), ("state_bwd", 8, 1))
     with pytest.raises(SystemExit, match="unknown kernel 'intra'"):
         bench_kda_split.parse_launch("intra=4/1")
+
+
+def test_bench_kda_split_bytes_moved_from_shapes_alone(tmp_path):
+    """--no_time: every kernel's bytes (operands and results once) from abstract shapes, nothing run.
+    Checked by hand for the gate kernel (g in, Gamma out, fp32) and the state chain of the 'split'
+    backward; 'chain' drops the inter kernel and dh and adds the value blocks' parts of the terms."""
+    import jax
+    import jax.numpy as jnp
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    assert bench_kda_split.moved_bytes(lambda a, b: (a + b, a.astype(jnp.bfloat16)), (x, x)) == 3 * 128 + 64
+    B, T, H, K = 2, 128, 3, 128  # 'split' after the chain; 6 rows x heads: value blocks of 16, eight parts
+    split = bench_kda_split.split((B, T, H, K), 32, "bfloat16", 1, timing=False)
+    chain = bench_kda_split.split((B, T, H, K), 32, "bfloat16", 1, backward="chain", timing=False)
+    Tp, NT, f32, bf16 = 128, 4, 4, 2
+    tok = B * Tp * H * K
+    assert split["gate_fwd"] == dict(compile_s=None, median_ms=None, bytes=2 * f32 * tok)
+    # in: qg, kg, w (bf16), Gamma (fp32) [tok]; Aqk [B, Tp, H, C] bf16; dO [tok] bf16; mf [B, Tp];
+    # dht [B, H, V, K] fp32. out: dh [B, H, NT V, K] bf16, dv_new [tok] fp32, dh0 [B, H, V, K] fp32
+    want = (3 * bf16 + f32) * tok + bf16 * B * Tp * H * 32 + bf16 * tok + f32 * B * Tp + f32 * B * H * K * K
+    want += bf16 * B * H * NT * K * K + f32 * tok + f32 * B * H * K * K
+    assert split["state_bwd"]["bytes"] == want
+    assert "inter_bwd" not in chain and "state_bwd" not in chain and "state_terms_bwd" in chain
+    parts = 8 * (2 * f32 * tok + bf16 * tok + f32 * B * NT * H * K)  # dq0, dk0, dw, dGamma's last rows
+    assert chain["intra_bwd"]["bytes"] - split["intra_bwd"]["bytes"] == parts - (2 * f32 * tok + bf16 * tok
+                                                                                 + f32 * B * NT * H * K)
+    out = tmp_path / "s.json"
+    bench_kda_split.main(["--shape=1x40x2x32", "--variants=32:bfloat16", "--no_time", f"--out={out}"])
+    rec = json.loads(out.read_text())
+    assert rec["timed"] is False and rec["variants"]["32:bfloat16"]["intra_fwd"]["bytes"] > 0
