@@ -526,9 +526,8 @@ def _state_bwd_kernel(qg_ref, kg_ref, G_ref, w_ref, aqk_ref, do_ref, mf_ref, dht
 
     def load(n):
         rows = pl.ds(n * C, C)
-        ops = (qg_ref[rows, :], kg_ref[rows, :], w_ref[rows, :], aqk_ref[rows, :], do_ref[rows, :].astype(md),
-               _last_decay(G_ref, mf_ref, n, C))
-        return ops
+        return (qg_ref[rows, :], kg_ref[rows, :], w_ref[rows, :], aqk_ref[rows, :], do_ref[rows, :].astype(md),
+                _last_decay(G_ref, mf_ref, n, C))
 
     def body(i, carry):
         dSt, (qg, kg, w, aqk, dO, decay) = carry
