@@ -90,6 +90,9 @@ def test_bench_kda_split_bytes_moved_from_shapes_alone(tmp_path):
     want = (3 * bf16 + f32) * tok + bf16 * B * Tp * H * 32 + bf16 * tok + f32 * B * Tp + f32 * B * H * K * K
     want += bf16 * B * H * NT * K * K + f32 * tok + f32 * B * H * K * K
     assert split["state_bwd"]["bytes"] == want
+    # every kernel sees operands padded to whole chunks, dO included
+    ragged = bench_kda_split.split((B, 100, H, K), 32, "bfloat16", 1, timing=False)
+    assert {n: r["bytes"] for n, r in ragged.items()} == {n: r["bytes"] for n, r in split.items()}
     assert "inter_bwd" not in chain and "state_bwd" not in chain and "state_terms_bwd" in chain
     parts = 8 * (2 * f32 * tok + bf16 * tok + f32 * B * NT * H * K)  # dq0, dk0, dw, dGamma's last rows
     assert chain["intra_bwd"]["bytes"] - split["intra_bwd"]["bytes"] == parts - (2 * f32 * tok + bf16 * tok
