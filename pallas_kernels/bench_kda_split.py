@@ -115,25 +115,25 @@ def _flow(shape, chunk, matmul_dtype, timed, *, bk, bki, bp, bv, bf, launch, bac
     _, vn, h, ht = P._state_fwd(cfg, kg, G, w, u, mf, h0t, qg, aqk, q.dtype)
     timed("state_fwd", lambda *a: P._state_fwd(cfg, *a, q.dtype), (kg, G, w, u, mf, h0t, qg, aqk))
     dht = jnp.zeros_like(ht)
-    dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
-    if cfg.backward != "chain":
-        timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
-    if cfg.backward == "fused":
-        timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a),
-              (q, k, v, G, g, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
-        return
-    if cfg.backward == "two":
-        pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn)
-        timed("pairs_h_bwd", lambda *a: P._pairs_bwd(cfg, *a, h=h), pairs_args)
-        _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args, h=h)
-        timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a), (q, k, G, g, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
-        return
-    if cfg.backward == "chain":
+    if cfg.backward == "chain":  # the reverse chain forms the state terms; no dh, no inter kernel
         chain_args = (qg, kg, G, w, aqk, do, mf, dht)
         terms = (h, vn, k, ml)
         timed("state_terms_bwd", lambda *a: P._state_bwd(cfg, *a, terms=terms), chain_args)
         dvn, _, dq0, dk0, dw, dGe = P._state_bwd(cfg, *chain_args, terms=terms)
     else:
+        dh, dvn, _ = P._state_bwd(cfg, qg, kg, G, w, aqk, do, mf, dht)
+        timed("state_bwd", lambda *a: P._state_bwd(cfg, *a), (qg, kg, G, w, aqk, do, mf, dht))
+        if cfg.backward == "fused":
+            timed("chunk_bwd", lambda *a: P._chunk_bwd(cfg, *a),
+                  (q, k, v, G, g, beta, doc, mf, ml, Tm, h, dh, do, vn, dvn))
+            return
+        if cfg.backward == "two":
+            pairs_args = (k, v, G, beta, doc, mf, Tm, do, vn, dvn)
+            timed("pairs_h_bwd", lambda *a: P._pairs_bwd(cfg, *a, h=h), pairs_args)
+            _, _, dA, dL = P._pairs_bwd(cfg, *pairs_args, h=h)
+            timed("keys_bwd", lambda *a: P._keys_bwd(cfg, *a),
+                  (q, k, G, g, beta, mf, ml, Tm, h, dh, do, vn, dvn, dA, dL))
+            return
         inter_args = (q, k, G, mf, ml, h, dh, do, vn, dvn)
         timed("inter_bwd", lambda *a: P._inter_bwd(cfg, *a), inter_args)
         dq0, dk0, dGe, dw = P._inter_bwd(cfg, *inter_args)
