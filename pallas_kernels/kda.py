@@ -135,8 +135,9 @@ class _Cfg:
     # 'tf32_rounded' rounds the factors to TF32 before one TF32 pass (`strip_factors`): the cancelling
     # pairs then meet identical values on both sides. Emulated at 1x1000x2x128, bf16 variant, seeds 0
     # and 1: dq 2.87e-3 / 2.94e-3, dg 2.92e-3 / 3.00e-3, as bf16x3's 2.87e-3 / 2.92e-3 and 2.90e-3 /
-    # 2.97e-3 (plain 'tf32': dg 6.79e-3 / 6.62e-3). Plain 'tf32' took 2.76 ms in `kda_intra_bwd`
-    # against bf16x3's 2.98 on an H100; this form's own time is not yet measured.
+    # 2.97e-3 (plain 'tf32': dg 6.79e-3 / 6.62e-3). On an H100 at 8x4096x16x128 its errors equal the
+    # default's to 1e-5 and `kda_intra_bwd` takes 2.905 ms against 2.979 (whole pass 0.2-1.8% faster at
+    # three shapes); not yet timed at 1x65536x32x128, so not yet the default.
     strip_precision: str = "bf16x3"
     lower_bound: float = -5.0  # g is clamped into [lower_bound, 0] inside `_gate_fwd_kernel`
     qk_l2norm: bool = False  # q and k arrive raw and are L2-normalised by `_l2norm_fwd_kernel`
@@ -203,7 +204,8 @@ _LAUNCH = {"intra_fwd": (4, 1), "state_fwd": (4, 1), "state_bwd": (4, 1),
            "l2norm_bwd": (4, 1), "state_terms_bwd": (8, 1)}
 # The reverse chain that also forms the terms through the states ('chain' backward) holds this chunk's
 # S_in, k and Gamma besides the state: at K = V = 128, value block 64, chunk 32, bf16, ptxas (sm_90,
-# `compile_report`) spills 848 B per thread with 4 warps and 24 B with 8.
+# `compile_report`) spills 848 B per thread with 4 warps and 24 B with 8. Even so it took 2.47 ms on an
+# H100 at 8x4096x16x128 where the plain chain and `kda_inter_bwd` took 1.74 together.
 # Head dims up to _SMALL_K leave a 4-warp program mostly idle on its [C, K] tiles. Measured on the
 # H200 at 8x4096x32x32, chunk 32, bf16 (pallas_kernels/results/bench_kda_split_h200_k32_warps.json):
 # chunk_bwd 3.94 ms with 4 warps, 2.84 with 2, 4.19 with 1; intra_fwd 1.18 / 1.13 / 0.94; the state
@@ -1179,7 +1181,9 @@ def _chain_bwd(cfg, q, k, v, G, g, beta, doc, mf, ml, w, aqk, T, h, vn, qg, kg, 
 
 # The backward plans (`_Cfg.backward`). Measured on the H200 at chunk 32 (BENCHMARKS.md): fused 3.9 ms
 # against split 5.2 ms after the reverse chain at K = 32; at K = 128 the fused program spills (11.1 ms
-# with one key block of 128, 29.3 with two of 64) and split takes 5.8 ms.
+# with one key block of 128, 29.3 with two of 64) and split takes 5.8 ms. 'chain' forward+backward on an
+# H100 against 'split': 9.84 / 8.38 ms at 8x4096x16x128, 16.37 / 13.61 at 1x8192x96x128, 19.85 / 17.11
+# at 2x16384x32x128: the terms' products lengthen every step of the latency-bound chain.
 _BACKWARDS = {"fused": _with_dh(_chunk_bwd), "split": _with_dh(_split_bwd), "two": _with_dh(_two_bwd),
               "chain": _chain_bwd}
 _FUSED_MAX_K = 64
