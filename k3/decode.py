@@ -3,7 +3,7 @@
 The cache mirrors the model's layer layout ({'head': [per layer], 'body': [per position in the
 scanned period, stacked over repeats], 'tail': [per layer]}) plus 'length' [B] int32, the tokens
 cached per row:
-  KDA layer  'state' [B, H, K, V] fp32 and the short-conv rings 'conv_q/k/v' [B, conv - 1, H*K]:
+  KDA layer  'state' [B, H, K, V] fp32 and the short-conv ring 'conv' [B, conv - 1, 3 H*K] (q, k, v):
              a fixed size, whatever the context length;
   MLA layer  'c_kv' [B, S, kv_lora] (the normed latent) and 'k_rope' [B, S, rope]: kv_lora + rope
              values per token (576 in the full K3/K2 shapes), never expanded to per-head keys.

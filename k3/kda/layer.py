@@ -237,23 +237,25 @@ class KDA(nnx.Module):
     # Incremental decoding: a fixed-size cache per row (the recurrent state and the conv rings)
 
     def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> dict:
-        """Empty decode cache: 'state' [B, H, K, K] fp32 and, per projection, the ring of its last
-        conv_size - 1 inputs 'conv_q' / 'conv_k' / 'conv_v' [B, conv_size - 1, H*K] fp32.
+        """Empty decode cache: 'state' [B, H, K, K] fp32 and 'conv', the ring of the last conv_size - 1
+        pre-conv inputs of the q, k and v branches side by side, [B, conv_size - 1, 3 H*K] fp32 (one
+        ring, so a decode step runs the three branches' conv, SiLU and ring update as one each).
         ``max_len`` and ``dtype`` are accepted so that every mixer's cache is built by one call
         (`k3.decode.init_cache`); they change nothing: the cache has no positions and stays fp32."""
         del max_len, dtype
         H, K = self.n_heads, self.head_dim
-        ring = jnp.zeros((batch, self.conv_size - 1, H * K), jnp.float32)
-        return {"state": jnp.zeros((batch, H, K, K), jnp.float32), "conv_q": ring, "conv_k": ring, "conv_v": ring}
+        return {"state": jnp.zeros((batch, H, K, K), jnp.float32),
+                "conv": jnp.zeros((batch, self.conv_size - 1, 3 * H * K), jnp.float32)}
 
-    def _branch_extend(self, y, conv, ring_BWC, n_valid_B):
-        """A projection y [B, T, H, K]'s conv branch continued from its ring: ([B, T, H, K], new ring,
-        the pre-conv projections [B, T, H*K] fp32)."""
-        B, T, H, K = y.shape
-        y = y.reshape(B, T, H * K).astype(jnp.float32)
-        full = jnp.concatenate([ring_BWC, y], axis=1)
-        out = causal_conv(full, conv[...].reshape(-1, H * K), None)[:, self.conv_size - 1:]
-        return jax.nn.silu(out).reshape(B, T, H, K), conv_ring(ring_BWC, y, n_valid_B), y
+    def _branches_extend(self, y_BTC, ring_BWC, n_valid_B):
+        """The q, k and v conv branches continued from their ring, on their pre-conv projections side by
+        side y [B, T, 3 H*K]: (q, k, v [B, T, H, K] fp32 after the conv and SiLU, the new ring)."""
+        B, T, _ = y_BTC.shape
+        H, K = self.n_heads, self.head_dim
+        w = jnp.concatenate([c[...].reshape(-1, H * K) for c in (self.conv_q, self.conv_k, self.conv_v)], axis=1)
+        full = jnp.concatenate([ring_BWC, y_BTC], axis=1)
+        out = jax.nn.silu(causal_conv(full, w, None)[:, self.conv_size - 1:]).reshape(B, T, 3, H, K)
+        return out[:, :, 0], out[:, :, 1], out[:, :, 2], conv_ring(ring_BWC, y_BTC, n_valid_B)
 
     def extend(self, x_BTD: jax.Array, cache: dict, start_B: jax.Array, n_valid_B: jax.Array,
                keep_inputs: bool = False):
@@ -270,10 +272,11 @@ class KDA(nnx.Module):
         x = x_BTD.astype(self.dtype)
         T = x.shape[1]
         yq, yk, yv, fa, b, gate = project_inputs(self, x, self.INPUTS, self.dtype)
-        q, ring_q, pre_q = self._branch_extend(yq, self.conv_q, cache["conv_q"], n_valid_B)
-        k, ring_k, pre_k = self._branch_extend(yk, self.conv_k, cache["conv_k"], n_valid_B)
-        v, ring_v, pre_v = self._branch_extend(yv, self.conv_v, cache["conv_v"], n_valid_B)
-        pre = jnp.stack([pre_q, pre_k, pre_v], axis=2) if keep_inputs else None
+        B, _, H, K = yq.shape
+        # With the served layout's fused projections q, k and v are already adjacent columns.
+        pre = jnp.concatenate([y.reshape(B, T, H * K) for y in (yq, yk, yv)], axis=-1).astype(jnp.float32)
+        q, k, v, ring = self._branches_extend(pre, cache["conv"], n_valid_B)
+        pre = pre.reshape(B, T, 3, H * K) if keep_inputs else None
         q, k, v = l2_normalize(q).astype(self.dtype), l2_normalize(k).astype(self.dtype), v.astype(self.dtype)
         g, beta = self._gates(fa, b)
         inputs = {"pre": pre, "k": k, "v": v, "g": g, "beta": beta} if keep_inputs else None
@@ -287,7 +290,7 @@ class KDA(nnx.Module):
                             gate_lower_bound=self.lower_bound if self.gate_kind == "bounded" else None)
         o = gated_norm(o, self.o_norm[...], gate, self.eps, self.dtype)
         y = jnp.einsum("bthk,hkd->btd", o, cast(self.w_o, self.dtype))
-        new = {"state": state, "conv_q": ring_q, "conv_k": ring_k, "conv_v": ring_v}
+        new = {"state": state, "conv": ring}
         if keep_inputs:
             new["inputs"] = inputs
         return y, new
@@ -312,6 +315,5 @@ def replay_kda(before: dict, inputs: dict, n_B: jax.Array) -> dict:
     beta = jnp.where(valid[..., None], beta, 0.0)
     _, state = kda_core(k, k, v, g, beta, impl="recurrent", initial_state=before["state"],
                         output_final_state=True, gate_lower_bound=None)
-    rings = {name: conv_ring(before[name], inputs["pre"][:, :, i], n_B)
-             for i, name in enumerate(("conv_q", "conv_k", "conv_v"))}
-    return {"state": state, **rings}
+    B, T = n_B.shape[0], k.shape[1]
+    return {"state": state, "conv": conv_ring(before["conv"], inputs["pre"].reshape(B, T, -1), n_B)}
