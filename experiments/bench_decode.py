@@ -4,7 +4,7 @@
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=served|unrolled|scanned]
         [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]
-        [--speculative=0] [--json=PATH]
+        [--speculative=0] [--xla_option=KEY=VALUE ...] [--json=PATH]
 
 Both models are `experiments.configs.ladder`'s K3 arm at the given width and depth; the second one
 swaps every KDA layer for (Gated, NoPE) MLA. The cache is filled with random values at the context
@@ -147,7 +147,8 @@ def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int
 
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
           weights_dtype: str = "", profile_top: int = 0, layers: str = "served", hbm: float = 0.0,
-          mla_decode: str = "auto", loop: str = "scan", moe_decode: str = "auto") -> dict:
+          mla_decode: str = "auto", loop: str = "scan", moe_decode: str = "auto",
+          xla_options: dict | None = None) -> dict:
     cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode)
     model = Model(cfg, rngs=nnx.Rngs(0))
     model = {"served": served, "unrolled": unrolled, "scanned": lambda m: m}[layers](model)
@@ -181,9 +182,9 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     tok = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
     if loop == "scan":
-        compiled = decode_steps.lower(params, cache, tok).compile()
+        compiled = decode_steps.lower(params, cache, tok).compile(compiler_options=xla_options)
     else:
-        one = decode_one.lower(params, cache, tok).compile()
+        one = decode_one.lower(params, cache, tok).compile(compiler_options=xla_options)
 
         def compiled(params, cache, tok):  # a server's loop: one dispatch per token
             for _ in range(steps):
@@ -209,7 +210,7 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     floor_ms = sum(floor.values()) / rate * 1e3 if rate else None
     return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
             "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
-            "mla_decode": mla_decode, "moe_decode": moe_decode, "loop": loop,
+            "mla_decode": mla_decode, "moe_decode": moe_decode, "loop": loop, "xla_options": xla_options or {},
             "tokens_per_s": batch * steps / dt, "ms_per_step": dt / steps * 1e3,
             "floor_bytes": floor, "floor_ms": floor_ms,
             "x_floor": (dt / steps * 1e3) / floor_ms if floor_ms else None,
@@ -271,6 +272,9 @@ def main(argv=None):
                    help="HBM bandwidth for the floor (default: the device's, from k3.hardware)")
     p.add_argument("--profile_top", type=int, default=0,
                    help="also profile one call and list this many device kernels by share of time")
+    p.add_argument("--xla_option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compiler option for the timed program only (repeatable), e.g. "
+                        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,CONDITIONAL,WHILE")
     p.add_argument("--json", default="")
     p.add_argument("--compile_cache", default="", help=COMPILE_CACHE_HELP)
     a = p.parse_args(argv)
@@ -279,12 +283,18 @@ def main(argv=None):
     bad = sorted(set(kinds) - {"k3", "all_mla"})
     if bad or not kinds:
         p.error(f"--models: expected a comma list of 'k3' and 'all_mla'; got {a.models!r}")
+    xla_options = {}
+    for item in a.xla_option:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            p.error(f"--xla_option: expected KEY=VALUE; got {item!r}")
+        xla_options[key] = val
     rows = []
     for context in (int(x) for x in a.contexts.split(",")):
         for kind in kinds:
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
             rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
-                              a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop, a.moe_decode))
+                              a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop, a.moe_decode, xla_options))
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)

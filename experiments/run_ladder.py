@@ -31,6 +31,13 @@ While a run trains, a background thread compiles the next run's programs into th
 initialiser, the optimizer's init, the train and eval steps), so on a GPU, where each (arm, size)
 takes a minute or more to compile, compiling overlaps training (``--no_compile_ahead`` turns it off).
 
+Populations (``population`` > 1): a small model leaves a GPU mostly idle between its kernels, so
+the sweep's runs of one (arm, size), which differ only in their learning-rate scalar, train as one
+program over a stack of their states (`jax.vmap` of `k3.steps.Run.step_fn`; the batch is shared).
+Each member's points are recorded as a run of its own, with ``population`` set to the number of
+members, ``tokens_per_s`` its own tokens over the population's time and ``mfu_full`` the program's.
+A member whose loss turns non-finite is recorded as diverged (val_loss nan) and the rest go on.
+
 Jobs: 'main' (seed 0, the rule's learning rate, with branches), 'seeds' (``extra_seeds`` at the
 ``seed_sizes`` smallest sizes: the noise estimate), 'repeats' (``repeats`` more runs of seed 0 at
 those sizes: the device's run-to-run noise, which the noise estimate pools with the seeds'; on a CPU
@@ -108,6 +115,10 @@ def default_ladder() -> ConfigDict:
     c.max_epochs = 1.0
     c.eval_batches = 0  # held-out batches per evaluation; 0 = the whole validation split
     c.ckpt_every = 0.1  # checkpoint every this fraction of a run's steps
+    # Up to this many runs that differ only in learning rate (same arm, size, seed and steps, no
+    # branches, not a same-seed repeat: the sweep's) train as one program, vmapped over the runs, on
+    # one device; they are not checkpointed (a killed population starts again). 1: one run at a time.
+    c.population = 1
     c.overrides = ""  # 'key=value,...' applied to every run's config, e.g. 'model.dtype=bfloat16'
     d = c.data = ConfigDict()
     d.source = "stdlib"
@@ -357,14 +368,18 @@ def load_done(out: Path) -> set[tuple[str, str]]:
     return {(rec["run_id"], rec["point"]) for rec in _recorded(out)}
 
 
-def recorded_speeds(out: Path, device_kind: str) -> dict[str, float]:
+def recorded_speeds(out: Path, device_kind: str, population: bool = False) -> dict[str, float]:
     """arm -> training FLOP/s (full convention) of its largest run recorded in ``out/points*.jsonl`` on
-    a device of ``device_kind``: the deadline's first estimate for an arm's next run in a new process."""
+    a device of ``device_kind``: the deadline's first estimate for an arm's next run in a new process.
+    population: from the runs trained in populations instead (the program's FLOP/s, all members)."""
     best = {}
     for rec in _recorded(out):
         if rec.get("device") != device_kind or not rec.get("tokens_per_s") or not rec.get("flops_full"):
             continue
-        flops_per_s = rec["tokens_per_s"] * rec["flops_full"] / rec["tokens"]
+        members = int(rec.get("population", 1))
+        if (members > 1) != population:
+            continue
+        flops_per_s = members * rec["tokens_per_s"] * rec["flops_full"] / rec["tokens"]
         if rec["flops_full"] >= best.get(rec["arm"], (0.0, 0.0))[0]:
             best[rec["arm"]] = (rec["flops_full"], flops_per_s)
     return {arm: v for arm, (_, v) in best.items()}
@@ -394,12 +409,53 @@ class _Kill(Exception):
     pass
 
 
+def _record_point(run, ladder, data, out: Path, done: set, name: str, tokens_done: int, is_final: bool, ev: dict,
+                  train_loss: float, wall_s: float, tps: float | None, chash: str, population: int = 1,
+                  extra: dict | None = None) -> dict:
+    """Appends one point of ``run`` to ``out/points.jsonl`` (and to ``done``) and returns it; ``ev`` is
+    `k3.steps.evaluate`'s result, ``tps`` the run's training tokens/s (None when too few steps were
+    timed); ``population`` > 1: the run trained in one program with others, that many in all;
+    ``extra``: more fields for the record."""
+    import jax
+
+    from k3.hardware import device_peak_flops
+
+    cfg = run["cfg"]
+    n = run["counts"]["non_embedding_active_params"]
+    fpt = run["flops_per_token"]
+    peak = device_peak_flops()
+    rec = {"arm": run["arm"], "size": run["size"], "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
+           "seed": run["seed"], "repeat": run["repeat"], "lr_mult": run["lr_mult"], "lr": run["lr"],
+           "lr_rule": run["lr_rule"], "run_id": run["run_id"],
+           "point": name, "is_final": is_final, "tokens": tokens_done,
+           "steps": tokens_done // (ladder.seq_len * ladder.batch_size),
+           "tokens_per_param": tokens_done / n, "epochs": tokens_done / data.train.num_tokens,
+           "params_non_embedding_active": n, "params_active": run["counts"]["active_params"],
+           "params_total": run["counts"]["total_params"],
+           "flops_6N": fpt["6N"] * tokens_done, "flops_full": fpt["full"] * tokens_done,
+           "val_loss": ev["val_loss"], "val_bits_per_byte": ev["val_bits_per_byte"],
+           "val_tokens": ev["val_tokens"], "train_loss": train_loss,
+           "wall_s": wall_s, "tokens_per_s": tps,
+           # The device's utilisation: a population's program trains all its members' tokens.
+           "mfu_full": population * tps * fpt["full"] / peak if tps and peak else None,
+           "config_hash": chash, "device": jax.devices()[0].device_kind,
+           "ladder": ladder.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if population > 1:
+        rec["population"] = population
+    rec.update(extra or {})
+    _append(out / "points.jsonl", rec)
+    done.add((run["run_id"], name))
+    print(f"  {run['run_id']:<28} {name:<11} D={tokens_done:>11,} val={ev['val_loss']:.4f} nats "
+          f"({ev['val_bits_per_byte'] or float('nan'):.4f} bpb) {wall_s:.0f}s"
+          + (f" {tps:,.0f} tok/s" if tps else ""), flush=True)
+    return rec
+
+
 def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[int] | None = None) -> list[dict]:
     """Trains one run (resuming from its checkpoints) and appends its missing points; returns them."""
     import jax
 
     from k3.data.pipeline import TrainIterator, ValSource
-    from k3.hardware import device_peak_flops
     from k3.checkpoints import abstract_like, checkpoint_manager, copy_tree, restore_checkpoint, save_checkpoint
     from k3.optim import wsd_lr
     from k3.model import resolve_layer_loop
@@ -476,31 +532,9 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
 
     def record(st, name, tokens_done, is_final):
         ev = evaluate(job, st, val, n_val)
-        n = run["counts"]["non_embedding_active_params"]
-        fpt = run["flops_per_token"]
         tps = ladder.seq_len * ladder.batch_size * timing[1] / timing[0] if timing[1] > 2 else None
-        peak = device_peak_flops()
-        rec = {"arm": run["arm"], "size": run["size"], "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
-               "seed": run["seed"], "repeat": run["repeat"], "lr_mult": run["lr_mult"], "lr": run["lr"],
-               "lr_rule": run["lr_rule"], "run_id": run["run_id"],
-               "point": name, "is_final": is_final, "tokens": tokens_done, "steps": tokens_done // (
-                   ladder.seq_len * ladder.batch_size),
-               "tokens_per_param": tokens_done / n, "epochs": tokens_done / data.train.num_tokens,
-               "params_non_embedding_active": n, "params_active": run["counts"]["active_params"],
-               "params_total": run["counts"]["total_params"],
-               "flops_6N": fpt["6N"] * tokens_done, "flops_full": fpt["full"] * tokens_done,
-               "val_loss": ev["val_loss"], "val_bits_per_byte": ev["val_bits_per_byte"],
-               "val_tokens": ev["val_tokens"], "train_loss": last_loss[0],
-               "wall_s": time.perf_counter() - t0, "tokens_per_s": tps,
-               "mfu_full": tps * fpt["full"] / peak if tps and peak else None,
-               "config_hash": chash, "device": jax.devices()[0].device_kind,
-               "ladder": ladder.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        _append(out / "points.jsonl", rec)
-        done.add((run["run_id"], name))
-        print(f"  {run['run_id']:<28} {name:<11} D={tokens_done:>11,} val={ev['val_loss']:.4f} nats "
-              f"({ev['val_bits_per_byte'] or float('nan'):.4f} bpb) {rec['wall_s']:.0f}s"
-              + (f" {tps:,.0f} tok/s" if tps else ""), flush=True)
-        return rec
+        return _record_point(run, ladder, data, out, done, name, tokens_done, is_final, ev, last_loss[0],
+                             time.perf_counter() - t0, tps, chash)
 
     written = []
     try:
@@ -538,6 +572,140 @@ def train_run(run: dict, ladder, data, out: Path, done: set, kill_after: list[in
     return written
 
 
+class PopulationUnsupported(Exception):
+    """The vmapped step of a population did not compile here; its runs train one at a time."""
+
+
+def _batch_shapes(ladder) -> dict:
+    """The train step's batch as abstract [batch_size, seq_len] arrays (what the data iterator yields)."""
+    import jax
+    import numpy as np
+
+    B, T = ladder.batch_size, ladder.seq_len
+    return {"inputs": jax.ShapeDtypeStruct((B, T), np.int32), "targets": jax.ShapeDtypeStruct((B, T), np.int32),
+            "segment_ids": jax.ShapeDtypeStruct((B, T), np.int32),
+            "loss_mask": jax.ShapeDtypeStruct((B, T), np.float32)}
+
+
+def population_key(run: dict):
+    """Runs with equal keys (not None) can train as one population: same arm, size, seed and steps,
+    no branches, not a same-seed repeat (a repeat measures the device's run-to-run noise, which one
+    program would not show)."""
+    if run["branches"] or run["repeat"]:
+        return None
+    return run["arm"], run["size"], run["seed"], run["steps"]
+
+
+def plan_units(todo: list[dict], population: int, out: Path) -> list[list[dict]]:
+    """``todo`` as units of training, in order: lists of up to ``population`` runs of one
+    `population_key` (the first member's place in ``todo`` is the unit's), else single runs. A run
+    with checkpoints on disk stays single, so that it resumes from them."""
+    units, placed = [], set()
+
+    def joins(run):
+        return population_key(run) is not None and not (out / "runs" / run["run_id"] / "checkpoints").exists()
+
+    for i, r in enumerate(todo):
+        if r["run_id"] in placed:
+            continue
+        unit = [r]
+        if population > 1 and joins(r):
+            unit += [n for n in todo[i + 1:] if n["run_id"] not in placed and joins(n)
+                     and population_key(n) == population_key(r)][:population - 1]
+        placed.update(u["run_id"] for u in unit)
+        units.append(unit)
+    return units
+
+
+def train_population(runs: list[dict], ladder, data, out: Path, done: set,
+                     kill_after: list[int] | None = None) -> list[dict]:
+    """Trains ``runs`` (one `population_key`, final points only) as one program: their states stacked
+    on a leading axis [M, ...], the step vmapped over it with the batch shared, each member at its
+    own learning-rate schedule. Appends each member's final point; returns them. Not checkpointed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3.data.pipeline import TrainIterator, ValSource
+    from k3.model import resolve_layer_loop
+    from k3.optim import wsd_lr
+    from k3.steps import evaluate, make_run
+
+    keys = {population_key(r) for r in runs}
+    if len(keys) != 1 or None in keys:
+        raise LadderError(f"runs {[r['run_id'] for r in runs]} cannot train as one population")
+    for r in runs:  # as `train_run` does: the config hash names the resolved layer loop
+        resolve_layer_loop(r["cfg"])
+    first = runs[0]
+    cfg = first["cfg"]
+    M, S = len(runs), first["steps"]
+    warmup = max(1, round(ladder.warmup_frac * S))
+    main_cool = S - max(1, round(ladder.decay_frac * S))
+    t0 = time.perf_counter()
+    job, state = make_run(cfg)
+    if job.sharder is not None:
+        raise LadderError("a population trains on one device; set population = 1 for a mesh")
+    if "lr" not in state:
+        raise LadderError("a population needs optim.schedule='external' (the runner's setting)")
+    pop = jax.tree.map(lambda x: jnp.stack([x] * M), state)
+    lr_at = jax.jit(wsd_lr)
+    peaks = jnp.asarray([r["lr"] for r in runs], jnp.float32)
+    pop["lr"] = lr_at(0, peaks, warmup, main_cool, S, ladder.min_lr_ratio)
+    train_iter = TrainIterator(data.train, ladder.seq_len, ladder.batch_size, ladder.data_seed)
+    try:
+        step = jax.jit(jax.vmap(job.step_fn, in_axes=(0, None)), donate_argnums=0).lower(
+            pop, _batch_shapes(ladder)).compile()
+    except Exception as e:  # noqa: BLE001 - a backend without a batching rule for some kernel
+        raise PopulationUnsupported(f"{type(e).__name__}: {str(e)[:300]}") from e
+    v = data.meta["val"]
+    val = ValSource(data.val, ladder.seq_len, ladder.batch_size, v.get("num_bytes"), v.get("num_text_tokens"))
+    n_val = ladder.eval_batches or val.batches_per_pass
+    last_loss = [float("nan")] * M
+    diverged = [0] * M  # the step whose loss was first non-finite, per member (0: none)
+    timing = [0.0, 0]
+    pending = []
+
+    def check():
+        for t, losses in pending:
+            for i, loss in enumerate(np.asarray(losses, np.float64)):
+                if diverged[i]:
+                    continue
+                if not math.isfinite(loss):
+                    diverged[i] = t + 1
+                    print(f"  {runs[i]['run_id']}: loss is {loss} at step {t + 1}; recorded as diverged", flush=True)
+                else:
+                    last_loss[i] = float(loss)
+        pending.clear()
+
+    for t in range(S):
+        t1 = time.perf_counter()
+        pop["lr"] = lr_at(t, peaks, warmup, main_cool, S, ladder.min_lr_ratio)
+        pop, m = step(pop, job.put_batch(next(train_iter)))
+        pending.append((t, m["loss"]))
+        if len(pending) >= 20 or t == S - 1:
+            check()
+        if t > 0:  # the first step compiles
+            timing[0] += time.perf_counter() - t1
+            timing[1] += 1
+        if kill_after is not None:
+            kill_after[0] -= 1
+            if kill_after[0] <= 0:
+                raise _Kill
+    tps = ladder.seq_len * ladder.batch_size * timing[1] / timing[0] if timing[1] > 2 else None
+    written = []
+    for i, r in enumerate(runs):
+        if diverged[i]:
+            ev = {"val_loss": math.nan, "val_bits_per_byte": None, "val_tokens": 0}
+        else:
+            ev = evaluate(job, jax.tree.map(lambda x: x[i], pop), val, n_val)
+        # tps: each member's own tokens over the program's time (the device trains M times as many)
+        written.append(_record_point(r, ladder, data, out, done, "final", S * ladder.seq_len * ladder.batch_size,
+                                     True, ev, last_loss[i], time.perf_counter() - t0, tps,
+                                     config_hash(r, ladder), population=M,
+                                     extra={"diverged_at_step": diverged[i]} if diverged[i] else None))
+    return written
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiling ahead
 
@@ -548,7 +716,6 @@ def compile_run_programs(run: dict, ladder) -> None:
     on [batch_size, seq_len] batches. With a persistent compilation cache on, the run then loads them.
     Single-device runs only: on a mesh the batch's shardings would have to match too (a LadderError)."""
     import jax
-    import numpy as np
 
     from k3.checkpoints import copy_tree
     from k3.model import resolve_layer_loop
@@ -571,10 +738,7 @@ def compile_run_programs(run: dict, ladder) -> None:
     jax.jit(job.tx.init).lower(state["params"]).compile()
     if "lr" in state:  # the type `train_run`'s jitted wsd_lr gives it (Python scalars in, as there)
         state["lr"] = jax.eval_shape(jax.jit(wsd_lr), 0, float(run["lr"]), 1, 1, 2, float(ladder.min_lr_ratio))
-    B, T = ladder.batch_size, ladder.seq_len
-    batch = {"inputs": jax.ShapeDtypeStruct((B, T), np.int32), "targets": jax.ShapeDtypeStruct((B, T), np.int32),
-             "segment_ids": jax.ShapeDtypeStruct((B, T), np.int32),
-             "loss_mask": jax.ShapeDtypeStruct((B, T), np.float32)}
+    batch = _batch_shapes(ladder)
     job.train_step.lower(state, batch).compile()
     job.eval_step.lower(state, batch).compile()
     copy_tree.lower(state).compile()  # checkpoints and branch starts
@@ -768,6 +932,7 @@ def main(argv=None) -> int:
     # arm -> training FLOP/s (full convention): recorded on this kind of device, then this process's runs
     speeds_dir = Path(a.speeds_from) if a.speeds_from else out
     speed = recorded_speeds(speeds_dir, device_kind) if speeds_dir.is_dir() else {}
+    pop_speed = recorded_speeds(speeds_dir, device_kind, population=True) if speeds_dir.is_dir() else {}
     print(f"ladder {ladder.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to train")
     print(f"{'run':<28}{'N (non-emb act)':>16}{'steps':>8}{'tokens':>13}{'6ND':>10}{'full':>10}{'lr':>9}"
           f"{'est s':>8}  points")
@@ -782,6 +947,13 @@ def main(argv=None) -> int:
         print(f"estimated training time of the {len(known)} runs to train whose arm has a speed recorded on "
               f"{device_kind!r}: {sum(run_flops(r) / speed[r['arm']] for r in known):,.0f} s (compilation and "
               f"evaluation not included; {len(todo) - len(known)} runs without an estimate)")
+    if int(ladder.population) > 1:
+        units = plan_units(todo, int(ladder.population), out)
+        pops = [u for u in units if len(u) > 1]
+        print(f"populations (up to {int(ladder.population)} runs in one program): {len(pops)}, training "
+              f"{sum(map(len, pops))} of the {len(todo)} runs; "
+              + (f"estimated {sum(_unit_estimate_s(u, speed, pop_speed) or 0.0 for u in units):,.0f} s in all"
+                 if pop_speed else "no population speed recorded yet"))
     if a.dry_run or not todo:
         return 0
     from k3.backends import use_compile_cache
@@ -816,7 +988,7 @@ def main(argv=None) -> int:
                   f"{ladder.data.vocab_size}", file=sys.stderr)
             return 2
         kill = [a.kill_after_steps] if a.kill_after_steps > 0 else None
-        return _train_all(todo, ladder, data, out, done, kill, speed, ahead, a.deadline_s, t_start)
+        return _train_all(todo, ladder, data, out, done, kill, speed, ahead, a.deadline_s, t_start, pop_speed)
     finally:
         if ahead is not None:
             ahead.close()
@@ -833,23 +1005,46 @@ def _too_late(run: dict, start_s: float, speed: dict, deadline_s: float) -> bool
     return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
 
 
-def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_start) -> int:
-    """Trains ``todo`` in order, skipping what the deadline leaves no time for; the exit status."""
+def _unit_estimate_s(unit: list[dict], speed: dict, pop_speed: dict) -> float | None:
+    """Seconds a unit of `plan_units` should train for: a population at its arm's population speed
+    (the program's FLOP/s), else as if its runs trained one after another; None without a speed."""
+    if len(unit) == 1:
+        return _estimate_s(unit[0], speed)
+    rate = pop_speed.get(unit[0]["arm"]) or speed.get(unit[0]["arm"])
+    return sum(run_flops(r) for r in unit) / rate if rate else None
+
+
+def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_start,
+               pop_speed: dict | None = None) -> int:
+    """Trains ``todo`` in order (as `plan_units` groups it), skipping what the deadline leaves no time
+    for; the exit status. A population the deadline cannot fit loses members from its end first."""
     from k3.steps import RunError
 
-    def too_late(run, start_s):
-        return _too_late(run, start_s, speed, deadline_s)
+    pop_speed = {} if pop_speed is None else pop_speed
+
+    def too_late(unit, start_s):
+        est = _unit_estimate_s(unit, speed, pop_speed)
+        return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
 
     cache = CacheCounter()
-    for i, r in enumerate(todo):
+    units = plan_units(todo, int(ladder.population), out)
+    for i, unit in enumerate(units):
         elapsed = time.perf_counter() - t_start
+        r = unit[0]
         if deadline_s and elapsed > deadline_s:
             print(f"deadline: {deadline_s:.0f}s passed; stopping before {r['run_id']} (rerun to resume)")
             break
-        if too_late(r, elapsed):
+        while len(unit) > 1 and too_late(unit, elapsed):
+            print(f"deadline: {unit[-1]['run_id']} left out of its population (rerun to resume)")
+            unit = unit[:-1]
+        if too_late(unit, elapsed):
             print(f"deadline: {r['run_id']} would need about {_estimate_s(r, speed):.0f}s; skipped (rerun to resume)")
             continue
-        print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e} (at {elapsed:.0f}s)", flush=True)
+        if len(unit) == 1:
+            print(f"run {r['run_id']}: {r['steps']} steps, lr {r['lr']:.3e} (at {elapsed:.0f}s)", flush=True)
+        else:
+            print(f"population of {len(unit)}: {', '.join(u['run_id'] for u in unit)}: {r['steps']} steps, lr "
+                  f"{', '.join(format(u['lr'], '.3e') for u in unit)} (at {elapsed:.0f}s)", flush=True)
         if ahead is not None:
             ahead.submit(r)
             failed = ahead.wait(r)
@@ -858,18 +1053,31 @@ def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_
                 ahead = None
             else:
                 # The next run this one leaves time for: compiling one the deadline skips only delays the exit.
-                est = _estimate_s(r, speed)
-                after = elapsed + (est or 0.0)
-                nxt = next((n for n in todo[i + 1:] if not too_late(n, after)), None)
+                after = elapsed + (_unit_estimate_s(unit, speed, pop_speed) or 0.0)
+                nxt = next((n for n in units[i + 1:] if not too_late(n[:1], after)), None)
                 if nxt is not None:
-                    ahead.submit(nxt)
+                    ahead.submit(nxt[0])
         cache.take()
         try:
-            recs = train_run(r, ladder, data, out, done, kill)
+            if len(unit) == 1:
+                recs = train_run(r, ladder, data, out, done, kill)
+            else:
+                try:
+                    recs = train_population(unit, ladder, data, out, done, kill)
+                except PopulationUnsupported as e:
+                    print(f"  the population's step did not compile ({e}); its runs train one at a time, and "
+                          "so do later ones", flush=True)
+                    units[i + 1:] = [[x] for u in units[i + 1:] for x in u]  # the loop reads the list as it goes
+                    recs = [rec for u in unit for rec in train_run(u, ladder, data, out, done, kill)]
+                    unit = unit[:1]
             hits, misses = cache.take()
             print(f"  programs: {hits} from the compilation cache, {misses} compiled", flush=True)
             if recs and recs[-1]["tokens_per_s"]:
-                speed[r["arm"]] = recs[-1]["tokens_per_s"] * r["flops_per_token"]["full"]
+                flops_per_s = recs[-1]["tokens_per_s"] * r["flops_per_token"]["full"]
+                if len(unit) == 1:
+                    speed[r["arm"]] = flops_per_s
+                else:
+                    pop_speed[r["arm"]] = len(unit) * flops_per_s
         except _Kill:
             os._exit(137)  # as a SIGKILL would: no cleanup, no flush beyond what is on disk
         except (LadderError, RunError) as e:

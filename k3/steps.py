@@ -39,6 +39,9 @@ class Run:
     sharder: sharding.Sharder | None = None
     state_shardings: Any = None  # pytree of NamedSharding like the state (None on one device)
     loss_fn: Any = None  # (params, rest, batch) -> (mean loss, aux), for tests and tools
+    # (state, batch) -> (state, metrics) before jit: for transformations of the whole step, e.g. one
+    # program that trains several runs of one shape (`experiments.run_ladder`'s populations)
+    step_fn: Any = None
 
     def put_batch(self, batch: dict) -> dict:
         """Host batch -> device arrays laid out on the mesh (each process passes its own rows)."""
@@ -313,7 +316,7 @@ def make_run(cfg) -> tuple[Run, dict]:
                             donate_argnums=0)
         eval_jit = jax.jit(eval_step, in_shardings=(state_sh, batch_sh), out_shardings=(rep, rep))
     run = Run(cfg=cfg, graphdef=graphdef, tx=tx, schedule=schedule, train_step=train_jit, eval_step=eval_jit,
-              sharder=sharder, state_shardings=state_sh, loss_fn=loss_fn)
+              sharder=sharder, state_shardings=state_sh, loss_fn=loss_fn, step_fn=train_step)
     return run, state
 
 

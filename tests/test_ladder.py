@@ -87,6 +87,26 @@ def test_plan_micro_ladder_order_ids_and_tokens():
     assert rl.config_hash(rl.plan_runs(lad)[0], lad) != h0
 
 
+def test_plan_units_group_the_sweep_of_one_shape_and_keep_branched_repeated_and_checkpointed_runs_single(tmp_path):
+    lad = rl.load_ladder(MICRO)
+    lad.lr_sweep, lad.sweep_sizes, lad.seed_sizes = "0.5,2.0,4.0", 2, 1
+    runs = rl.plan_runs(lad, arms=["k2", "k3"], jobs=["main", "seeds", "repeats", "sweep"])
+    units = [[r["run_id"] for r in u] for u in rl.plan_units(runs, 2, tmp_path)]
+    assert units[:10] == [[r["run_id"]] for r in runs[:10]]  # main runs (branches), seeds, same-seed repeats
+    assert units[10:] == [["k2-32x2-s0-lr0p5", "k2-32x2-s0-lr2"], ["k2-32x2-s0-lr4"],
+                         ["k3-32x2-s0-lr0p5", "k3-32x2-s0-lr2"], ["k3-32x2-s0-lr4"],
+                         ["k2-64x2-s0-lr0p5", "k2-64x2-s0-lr2"], ["k2-64x2-s0-lr4"],
+                         ["k3-64x2-s0-lr0p5", "k3-64x2-s0-lr2"], ["k3-64x2-s0-lr4"]]
+    assert sum(units, []) == [r["run_id"] for r in runs]  # every run once
+    assert all(len(u) == 1 for u in rl.plan_units(runs, 1, tmp_path))
+    # A run that has checkpoints resumes from them, on its own.
+    (tmp_path / "runs" / "k2-32x2-s0-lr2" / "checkpoints").mkdir(parents=True)
+    units = [[r["run_id"] for r in u] for u in rl.plan_units(runs, 4, tmp_path)]
+    assert ["k2-32x2-s0-lr0p5", "k2-32x2-s0-lr4"] in units and ["k2-32x2-s0-lr2"] in units
+    with pytest.raises(rl.LadderError, match="cannot train as one population"):
+        rl.train_population([runs[0], runs[-1]], lad, None, tmp_path, set())
+
+
 def test_per_arm_rules_set_own_rates_ids_and_shared_rule_runs():
     """An arm with its own rule trains main, seed and sweep runs at coef * (6ND)^exp (ids tagged with
     the rule), the 'shared' job trains it again at the shared rule under the plain ids, and an arm
@@ -310,6 +330,63 @@ def test_resume_after_kill_reproduces_uninterrupted_points(tmp_path):
             assert got[key]["val_loss"] == pytest.approx(want[key]["val_loss"], rel=1e-5), (kill, key)
             assert got[key]["tokens"] == want[key]["tokens"]
         assert not (out / "runs" / "k2-32x2-s0-lr1").exists()  # checkpoints go once the run is done
+
+
+@pytest.mark.slow
+def test_population_trains_like_single_runs_fits_the_deadline_and_records_a_diverged_member(tmp_path, capsys):
+    """K3's sweep runs of one shape train as one vmapped program: a member's point equals the run trained
+    alone, a member whose loss turns nan is recorded as diverged while the others go on, and a deadline
+    that cannot fit the whole population (no population speed recorded: estimated as runs one after
+    another) leaves its last members for a later process."""
+    ladder_file = tmp_path / "ladder_pop.py"
+    ladder_file.write_text("from experiments.configs.ladder_micro import get_config as micro\n\n\n"
+                           "def get_config():\n    c = micro()\n    c.lr_sweep = '1e8,0.5,2.0'\n"
+                           "    c.population = 4\n    return c\n")
+    out, ref = tmp_path / "pop", tmp_path / "ref"
+    out.mkdir()
+    run = rl.plan_runs(rl.load_ladder(str(ladder_file)), arms=["k3"], sizes=["32x2"], jobs=["sweep"])[0]
+    kind = jax.devices()[0].device_kind  # a record that makes each of these runs an estimated 200 s
+    rec = dict(arm="k3", run_id="k3-old", point="final", tokens=run["tokens"], flops_full=rl.run_flops(run),
+               tokens_per_s=run["tokens"] / 200.0, device=kind)
+    (out / "points_old.jsonl").write_text(json.dumps(rec) + "\n")
+    args = [f"--ladder={ladder_file}", "--arms=k3", "--sizes=32x2", "--jobs=sweep", "--no_compile_ahead"]
+    assert rl.main(args + [f"--out={out}", "--deadline_s=480"]) == 0
+    text = capsys.readouterr().out
+    assert "deadline: k3-32x2-s0-lr2 left out of its population" in text
+    assert "population of 2: k3-32x2-s0-lr1e+08, k3-32x2-s0-lr0p5" in text
+    got = _points(out)
+    assert set(got) == {("k3-32x2-s0-lr1e+08", "final"), ("k3-32x2-s0-lr0p5", "final")}
+    bad, good = got[("k3-32x2-s0-lr1e+08", "final")], got[("k3-32x2-s0-lr0p5", "final")]
+    assert math.isnan(bad["val_loss"]) and bad["diverged_at_step"] >= 1 and bad["population"] == 2
+    assert math.isfinite(good["val_loss"]) and good["population"] == 2 and "diverged_at_step" not in good
+    assert good["tokens_per_s"] > 0 and good["steps"] == run["steps"]
+    assert rl.main([f"--ladder={MICRO}", "--arms=k3", "--sizes=32x2", "--jobs=sweep", f"--out={ref}",
+                    "--no_compile_ahead"]) == 0  # the micro ladder's sweep: x0.5 alone
+    alone = _points(ref)[("k3-32x2-s0-lr0p5", "final")]
+    assert good["config_hash"] == alone["config_hash"] and "population" not in alone
+    assert good["val_loss"] == pytest.approx(alone["val_loss"], rel=1e-5)
+    # The population's speed now estimates the next one (the left-out member: one run, at its own speed).
+    assert rl.recorded_speeds(out, kind, population=True)["k3"] == pytest.approx(
+        2 * good["tokens_per_s"] * good["flops_full"] / good["tokens"])
+
+
+@pytest.mark.slow
+def test_a_population_whose_step_does_not_compile_trains_its_runs_one_at_a_time(tmp_path, capsys, monkeypatch):
+    lad = tmp_path / "ladder_pop.py"
+    lad.write_text("from experiments.configs.ladder_micro import get_config as micro\n\n\n"
+                   "def get_config():\n    c = micro()\n    c.lr_sweep = '0.5,2.0'\n    c.population = 2\n"
+                   "    c.sweep_sizes = 2\n    return c\n")
+
+    def unsupported(*a, **k):
+        raise rl.PopulationUnsupported("no batching rule")
+
+    monkeypatch.setattr(rl, "train_population", unsupported)
+    assert rl.main([f"--ladder={lad}", "--arms=k2", "--jobs=sweep", f"--out={tmp_path}/o", "--no_compile_ahead"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("did not compile (no batching rule)") == 1  # and the next size's pair is planned singly
+    assert "run k2-64x2-s0-lr0p5" in text and "run k2-64x2-s0-lr2" in text
+    got = _points(tmp_path / "o")
+    assert len(got) == 4 and all("population" not in r for r in got.values())
 
 
 def test_compile_ahead_keeps_order_shares_a_key_and_reports_failures(monkeypatch):

@@ -34,6 +34,10 @@ Each command then prepares the data again: its first run starts 1.5-2 minutes in
            --arms=k2,k3 --jobs=main,sweep --sizes=160x4,192x6,224x8,128x4,160x6,192x8 \\
            --set=data.extra_roots=/usr/include:/usr/local/cuda/targets/x86_64-linux/include --deadline_s=540
 
+   The sweep's four rates of one (arm, size) train as one vmapped program (``population = 4``,
+   `experiments.run_ladder`): a model this small leaves the GPU idle between its kernels. The
+   speed-up on a GPU is not measured yet; the runner records it (``population``, ``mfu_full``).
+
 2. Fit each arm's rule and set it: ``python -m experiments.fit --results=OUT`` prints
    ``lr_rules = "k2=...;k3=..."``; put that into ``c.lr_rules`` below.
 3. Main runs at each arm's own rule (all sizes), the shared-rule runs the sweep did not make, seeds
@@ -71,6 +75,7 @@ def get_config():
     c.sweep_sizes = 3
     c.lr_rules = ""  # stage 2 fills this in from the sweep
     c.max_epochs = 1.0
+    c.population = 4  # the sweep's 4 rates of one (arm, size) train as one program (run_ladder's docstring)
     c.eval_batches = 0
     c.overrides = "model.dtype=bfloat16"
     c.data.source = "site_packages"

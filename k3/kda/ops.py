@@ -126,7 +126,10 @@ def _apply_unit_lower_inverse(L_XCC, rhs_XCM, order=None):
     out_XCM = rhs_XCM + jnp.einsum("...ij,...jm->...im", power_XCC, rhs_XCM, precision=_PRECISION)
     span = 2
     while span < order:
-        power_XCC = jnp.einsum("...ij,...jk->...ik", power_XCC, power_XCC, precision=_PRECISION)
+        # Two operands that XLA cannot prove equal: under vmap of the train step, XLA's CPU compiler
+        # (jaxlib 0.10.2) rewrites a batched dot of an array with itself into one that fails its verifier.
+        lhs_XCC, rhs_XCC = jax.lax.optimization_barrier((power_XCC, power_XCC))
+        power_XCC = jnp.einsum("...ij,...jk->...ik", lhs_XCC, rhs_XCC, precision=_PRECISION)
         out_XCM = out_XCM + jnp.einsum("...ij,...jm->...im", power_XCC, out_XCM, precision=_PRECISION)
         span *= 2
     return out_XCM
