@@ -6,6 +6,7 @@
     python -m experiments.aot_report --analyse=FILE.hlo      # a module saved by --hlo_dir, read again
     python -m experiments.aot_report --registers --models=k3:1024:12 --remat ...   # each Pallas kernel's registers
     python -m experiments.aot_report --ladder=experiments/configs/ladder_1e16.py --arms=k2,k3 --jobs=main,sweep
+        [--population=4]                                   # the step of 4 runs of a shape at once
 
 XLA's GPU compiler runs here, on the CPU, for the target's device description (a compile-only device
 from `jax.experimental.topologies`; `TARGETS` holds the descriptions). Each model and batch size (and
@@ -127,9 +128,11 @@ def compile_only_device(target: str):
     return topo.devices[0]
 
 
-def abstract_train_step(cfg, where=None):
+def abstract_train_step(cfg, where=None, population: int = 1):
     """(train step traced for a GPU, abstract state, abstract batch) of `k3.steps.make_run` for
-    ``cfg``; nothing is allocated. ``where``: a sharding to place the abstract arrays on."""
+    ``cfg``; nothing is allocated. ``where``: a sharding to place the abstract arrays on.
+    population > 1: the step of that many runs in one program, as `experiments.run_ladder` trains a
+    sweep (the state stacked on a leading axis, the step vmapped over it, the batch shared)."""
     from k3.steps import make_run
 
     held = {}
@@ -139,24 +142,27 @@ def abstract_train_step(cfg, where=None):
         held["run"] = run
         return state
 
-    put = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
+    put = lambda s, lead=(): jax.ShapeDtypeStruct(lead + s.shape, s.dtype, sharding=where)  # noqa: E731
+    members = (population,) if population > 1 else ()
     with _for_gpu():
-        state = jax.tree.map(put, jax.eval_shape(build))
+        state = jax.tree.map(lambda s: put(s, members), jax.eval_shape(build))
     batch = {k: put(v) for k, v in synthetic_batch(cfg).items()}
 
     def step(state, batch):
         with _for_gpu():
+            if population > 1:
+                return jax.vmap(held["run"].step_fn, in_axes=(0, None))(state, batch)
             return held["run"].train_step(state, batch)
 
     return step, state, batch
 
 
-def compile_step(cfg, device):
+def compile_step(cfg, device, population: int = 1):
     """(compiled train step, seconds): `abstract_train_step` placed on ``device`` and compiled."""
     from jax.sharding import SingleDeviceSharding
 
     t0 = time.perf_counter()
-    step, state, batch = abstract_train_step(cfg, SingleDeviceSharding(device))
+    step, state, batch = abstract_train_step(cfg, SingleDeviceSharding(device), population)
     compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
     return compiled, time.perf_counter() - t0
 
@@ -419,19 +425,22 @@ def ladder_floors(a, t: dict) -> list[dict]:
     # --set applies to every run; checked here, before the compiler is loaded
     cfgs = {shape: apply_sets(copy.deepcopy(group[0]["cfg"]), a.set) for shape, group in by_shape.items()}
     device = compile_only_device(a.target)
-    print("| arm | size | runs | steps | GiB | kernels/step | floor ms/step | runs' floor s |\n"
+    pop = max(1, a.population)
+    print(("" if pop == 1 else f"each step trains {pop} runs of the shape at once (--population)\n")
+          + "| arm | size | runs | steps | GiB | kernels/step | floor ms/step | runs' floor s |\n"
           "|---|---|---|---|---|---|---|---|")
     for (arm, size), group in by_shape.items():
-        compiled, seconds = compile_step(cfgs[arm, size], device)
+        compiled, seconds = compile_step(cfgs[arm, size], device, pop)
         floors = kernel_floors(compiled.as_text(), hbm_bytes_per_s=t["hbm_bytes_per_s"],
                                peak_flops=t["peak_bf16_flops"])
         step_ms = sum(c["floor_ms"] for c in floors["categories"].values())
-        steps = sum(r["steps"] for r in group)
-        row = dict(arm=arm, size=size, runs=len(group), steps=steps, compile_s=seconds,
+        steps = sum(r["steps"] for r in group) / pop  # a population's step advances pop runs
+        row = dict(arm=arm, size=size, runs=len(group), population=pop, steps=steps, compile_s=seconds,
                    memory_gib=memory_gib(compiled), launches=floors["launches"], floor_ms_per_step=step_ms,
                    floor_s=steps * step_ms / 1e3, categories=floors["categories"])
         rows.append(row)
-        print(f"| {arm} | {size} | {len(group)} | {steps} | {row['memory_gib']['total']:.1f} | {floors['launches']} | "
+        print(f"| {arm} | {size} | {len(group)} | {steps:.0f} | {row['memory_gib']['total']:.1f} | "
+              f"{floors['launches']} | "
               f"{step_ms:.2f} | {row['floor_s']:.0f} |", flush=True)
     print(f"total floor of the planned runs: {sum(r['floor_s'] for r in rows):.0f} s")
     if a.json:
@@ -467,6 +476,8 @@ def main(argv=None):
                         "(experiments.run_ladder), with each run's steps x floor: the device time it cannot beat")
     p.add_argument("--arms", default="", help="--ladder: comma-separated arms (default all)")
     p.add_argument("--jobs", default="main", help="--ladder: comma-separated run_ladder jobs to plan")
+    p.add_argument("--population", type=int, default=1,
+                   help="--ladder: compile the step of this many runs of a shape at once (run_ladder's population)")
     p.add_argument("--registers", action="store_true",
                    help="instead of XLA's compile: registers and spills of every Pallas kernel of each train "
                         "step (pallas_kernels.compile_report; needs a ptxas too)")

@@ -98,8 +98,8 @@ def default_config() -> ConfigDict:
     # (dropless), 'capacity' (expert_capacity x mean rows per expert, batched dense matmuls), 'dense'
     e.expert_capacity = 1.25  # 'capacity': rows per expert / (N k / E); routes past it are dropped
     e.decode_impl = "auto"  # k3.moe.DECODE_EXPERTS, decoding with fewer routes than experts: 'auto'
-    # (= 'train', the training backend), 'gather' (routed weights gathered), 'pallas' (each route reads
-    # its expert's weights in place; pallas_kernels.moe_decode)
+    # ('pallas' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
+    # (each route reads its expert's weights in place; pallas_kernels.moe_decode)
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'

@@ -24,7 +24,7 @@ keyed by ``model.moe.decode_impl``:
               (the portable form; XLA writes the gathered weights and reads them again);
   'pallas'    `pallas_kernels.moe_decode.routed_glu`: each route reads its expert's weights once
               (widths that are not powers of two take 'gather'; interpreted off the GPU).
-'auto' is 'train' everywhere for now.
+'auto' is 'pallas' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
 """
 
 from __future__ import annotations
@@ -159,10 +159,10 @@ def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, be
     return jnp.einsum("nke,ned->nkd", onehot, out), jnp.zeros((), jnp.int32)
 
 
-# 'auto' is 'train' until the Pallas entry's equality tests (tests/test_moe_decode.py) have run compiled
-# on a GPU. Timed on an H100 (`experiments.bench_decode --moe_decode=pallas|train`, K3 d_model 1024, 16
-# layers, batch 8): 2.01 / 2.53 ms per step at 4K context, 2.31 / 2.81 at 32K.
-DECODE_EXPERTS = Table("model.moe.decode_impl", default="train")
+# 'auto' is the kernel on a GPU: its tests (tests/test_moe_decode.py) pass compiled on an H100, and there
+# (`experiments.bench_decode --moe_decode=pallas|train`, K3 d_model 1024, 16 layers, batch 8) it took
+# 2.01 / 2.53 ms per step at 4K context, 2.31 / 2.81 at 32K.
+DECODE_EXPERTS = Table("model.moe.decode_impl", default="train", auto={"gpu": "pallas"})
 DECODE_EXPERTS.register("train")(None)  # the training backend (`EXPERT_BACKENDS`) itself
 
 
