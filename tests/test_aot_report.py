@@ -2,6 +2,7 @@
 the GPU target description, and its errors. Compiling for a GPU needs the CUDA plugin, which the test
 environment does not have; `k3.backends.targeting` is tested here too."""
 
+import jax
 import pytest
 
 from experiments import aot_report as A
@@ -177,3 +178,17 @@ def test_floor_gaps_set_each_traced_op_against_its_floor():
                       peak_flops=1e14)
     assert [r["op"] for r in fast["below"]][:1] == ["y"] and fast["below"][0]["x_floor"] < 1
     assert floor_gaps(ops, HLO) == {}  # this CPU: no HBM bandwidth or peak known
+
+
+def test_population_step_stacks_the_state_and_vmaps_the_gpu_step():
+    """`--population`: the abstract state gains a leading member axis and the step, traced with the GPU's
+    backends, returns one loss per member (traced only: no GPU compiler needed)."""
+    from experiments.run_ladder import load_ladder, plan_runs
+
+    cfg = plan_runs(load_ladder("experiments/configs/ladder_micro.py"), ["k3"], ["32x2"], ["sweep"])[0]["cfg"]
+    one, state1, batch = A.abstract_train_step(cfg)
+    three, state3, batch3 = A.abstract_train_step(cfg, population=3)
+    assert batch3 == batch
+    assert all(b.shape == (3,) + a.shape for a, b in zip(jax.tree.leaves(state1), jax.tree.leaves(state3)))
+    _, metrics = jax.eval_shape(three, state3, batch)
+    assert metrics["loss"].shape == (3,) and jax.eval_shape(one, state1, batch)[1]["loss"].shape == ()
