@@ -684,7 +684,7 @@ def train_population(runs: list[dict], ladder, data, out: Path, done: set,
         pending.append((t, m["loss"]))
         if len(pending) >= 20 or t == S - 1:
             check()
-        if t > 0:  # the first step compiles
+        if t > 0:  # as in `train_run`, whose first step compiles
             timing[0] += time.perf_counter() - t1
             timing[1] += 1
         if kill_after is not None:
@@ -966,8 +966,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ahead = None if a.no_compile_ahead else CompileAhead(ladder)
     try:
-        # The first run's programs compile while the data is prepared (its model needs no data).
-        first = next((r for r in todo if not _too_late(r, 0.0, speed, a.deadline_s)), None)
+        # The first single run's programs compile while the data is prepared (its model needs no data).
+        first = next((u[0] for u in plan_units(todo, int(ladder.population), out)
+                      if len(u) == 1 and not _too_late(u[0], 0.0, speed, a.deadline_s)), None)
         if ahead is not None and first is not None:
             ahead.submit(first)
         t_data = time.perf_counter()
@@ -1045,18 +1046,19 @@ def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_
         else:
             print(f"population of {len(unit)}: {', '.join(u['run_id'] for u in unit)}: {r['steps']} steps, lr "
                   f"{', '.join(format(u['lr'], '.3e') for u in unit)} (at {elapsed:.0f}s)", flush=True)
-        if ahead is not None:
+        if ahead is not None and len(unit) == 1:  # a population compiles its own (vmapped) step
             ahead.submit(r)
             failed = ahead.wait(r)
             if failed:  # the runs compile their own programs from here on
                 print(f"  compiling ahead failed ({failed[:300]}); it is off for the rest of this process")
                 ahead = None
-            else:
-                # The next run this one leaves time for: compiling one the deadline skips only delays the exit.
-                after = elapsed + (_unit_estimate_s(unit, speed, pop_speed) or 0.0)
-                nxt = next((n for n in units[i + 1:] if not too_late(n[:1], after)), None)
-                if nxt is not None:
-                    ahead.submit(nxt[0])
+        if ahead is not None:
+            # The next single run this unit leaves time for: compiling one the deadline skips only delays
+            # the exit.
+            after = elapsed + (_unit_estimate_s(unit, speed, pop_speed) or 0.0)
+            nxt = next((n for n in units[i + 1:] if len(n) == 1 and not too_late(n, after)), None)
+            if nxt is not None:
+                ahead.submit(nxt[0])
         cache.take()
         try:
             if len(unit) == 1:
