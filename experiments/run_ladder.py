@@ -31,9 +31,10 @@ While a run trains, a background thread compiles the next run's programs into th
 initialiser, the optimizer's init, the train and eval steps), so on a GPU, where each (arm, size)
 takes a minute or more to compile, compiling overlaps training (``--no_compile_ahead`` turns it off).
 
-Populations (``population`` > 1): a small model leaves a GPU mostly idle between its kernels, so
-the sweep's runs of one (arm, size), which differ only in their learning-rate scalar, train as one
-program over a stack of their states (`jax.vmap` of `k3.steps.Run.step_fn`; the batch is shared).
+Populations (``population`` > 1): a small model's step is 900-2,400 small kernels on a GPU
+(BENCHMARKS.md), so the sweep's runs of one (arm, size), which differ only in their learning-rate
+scalar, train as one program over a stack of their states (`jax.vmap` of `k3.steps.Run.step_fn`;
+the batch is shared).
 Each member's points are recorded as a run of its own, with ``population`` set to the number of
 members, ``tokens_per_s`` its own tokens over the population's time and ``mfu_full`` the program's.
 A member whose loss turns non-finite is recorded as diverged (val_loss nan) and the rest go on.

@@ -35,8 +35,9 @@ Each command then prepares the data again: its first run starts 1.5-2 minutes in
            --set=data.extra_roots=/usr/include:/usr/local/cuda/targets/x86_64-linux/include --deadline_s=540
 
    The sweep's four rates of one (arm, size) train as one vmapped program (``population = 4``,
-   `experiments.run_ladder`): a model this small leaves the GPU idle between its kernels. The
-   speed-up on a GPU is not measured yet; the runner records it (``population``, ``mfu_full``).
+   `experiments.run_ladder`), whose step has about as many kernels as one run's (compiled for the
+   H200: 4.3-4.5x fewer per run-step, BENCHMARKS.md). The speed-up on a GPU is not measured yet; the
+   runner records it (``population``, ``mfu_full``).
 
 2. Fit each arm's rule and set it: ``python -m experiments.fit --results=OUT`` prints
    ``lr_rules = "k2=...;k3=..."``; put that into ``c.lr_rules`` below.
