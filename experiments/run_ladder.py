@@ -649,6 +649,7 @@ def train_population(runs: list[dict], ladder, data, out: Path, done: set,
     if "lr" not in state:
         raise LadderError("a population needs optim.schedule='external' (the runner's setting)")
     pop = jax.tree.map(lambda x: jnp.stack([x] * M), state)
+    del state  # the stack holds the members' copies
     lr_at = jax.jit(wsd_lr)
     peaks = jnp.asarray([r["lr"] for r in runs], jnp.float32)
     pop["lr"] = lr_at(0, peaks, warmup, main_cool, S, ladder.min_lr_ratio)
@@ -969,7 +970,7 @@ def main(argv=None) -> int:
     try:
         # The first single run's programs compile while the data is prepared (its model needs no data).
         first = next((u[0] for u in plan_units(todo, int(ladder.population), out)
-                      if len(u) == 1 and not _too_late(u[0], 0.0, speed, a.deadline_s)), None)
+                      if len(u) == 1 and not _too_late(u, 0.0, speed, a.deadline_s)), None)
         if ahead is not None and first is not None:
             ahead.submit(first)
         t_data = time.perf_counter()
@@ -1001,9 +1002,10 @@ def _estimate_s(run: dict, speed: dict) -> float | None:
     return run_flops(run) / speed[run["arm"]] if run["arm"] in speed else None
 
 
-def _too_late(run: dict, start_s: float, speed: dict, deadline_s: float) -> bool:
-    """Whether ``run``, started ``start_s`` seconds in, would pass the deadline (30 s to spare)."""
-    est = _estimate_s(run, speed)
+def _too_late(unit: list[dict], start_s: float, speed: dict, deadline_s: float, pop_speed: dict | None = None) -> bool:
+    """Whether ``unit`` (a run, or a population: `plan_units`), started ``start_s`` seconds in, would pass
+    the deadline (30 s to spare)."""
+    est = _unit_estimate_s(unit, speed, pop_speed or {})
     return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
 
 
@@ -1025,8 +1027,7 @@ def _train_all(todo, ladder, data, out, done, kill, speed, ahead, deadline_s, t_
     pop_speed = {} if pop_speed is None else pop_speed
 
     def too_late(unit, start_s):
-        est = _unit_estimate_s(unit, speed, pop_speed)
-        return bool(deadline_s) and (start_s > deadline_s or (est is not None and start_s + est + 30 > deadline_s))
+        return _too_late(unit, start_s, speed, deadline_s, pop_speed)
 
     cache = CacheCounter()
     units = plan_units(todo, int(ladder.population), out)
