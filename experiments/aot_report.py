@@ -168,7 +168,7 @@ def compile_step(cfg, device, population: int = 1):
 
 
 def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode: str = "auto",
-                        moe_decode: str = "auto"):
+                        moe_decode: str = "auto", kda_decode: str = "auto"):
     """(compiled step, seconds): one greedy decode step of `experiments.bench_decode`'s served model
     (bf16 weights, served layout `k3.model.served`, a cache holding ``context`` tokens), abstract and on ``device``."""
     from jax.sharding import SingleDeviceSharding
@@ -183,7 +183,7 @@ def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode:
     put = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
     t0 = time.perf_counter()
     with _for_gpu():
-        cfg = model_config(kind, int(d), int(layers), "bfloat16", mla_decode, moe_decode)
+        cfg = model_config(kind, int(d), int(layers), "bfloat16", mla_decode, moe_decode, kda_decode)
         model = nnx.eval_shape(lambda: served(Model(cfg, rngs=nnx.Rngs(0))))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = jax.tree.map(lambda x: put(jax.ShapeDtypeStruct(
@@ -471,6 +471,7 @@ def main(argv=None):
     p.add_argument("--contexts", default="4096", help="--decode: comma-separated cached context lengths")
     p.add_argument("--mla_decode", default="auto", help="--decode: model.mla.decode_impl")
     p.add_argument("--moe_decode", default="auto", help="--decode: model.moe.decode_impl")
+    p.add_argument("--kda_decode", default="auto", help="--decode: model.kda.decode_impl")
     p.add_argument("--ladder", default="", metavar="FILE.py",
                    help="instead of --models: each (arm, size) of that ladder file's planned runs "
                         "(experiments.run_ladder), with each run's steps x floor: the device time it cannot beat")
@@ -526,7 +527,8 @@ def main(argv=None):
                 for c in ([int(x) for x in a.contexts.split(",") if x] if a.decode else [a.seq_len])]
         for batch, length in runs:
             if a.decode:
-                compiled, seconds = compile_decode_step(spec, length, batch, device, a.mla_decode, a.moe_decode)
+                compiled, seconds = compile_decode_step(spec, length, batch, device, a.mla_decode, a.moe_decode,
+                                                       a.kda_decode)
                 tag = f"{style}_{d}_{layers}_decode_b{batch}_c{length}"
             else:
                 cfg = build_config(style, d, layers, length, batch, a.remat, a.set)

@@ -2,7 +2,8 @@
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--models=k3,all_mla] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=served|unrolled|scanned]
-        [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--loop=scan|host]
+        [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--kda_decode=auto|xla|pallas]
+        [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]
         [--speculative=0] [--xla_option=KEY=VALUE ...] [--json=PATH]
 
@@ -58,11 +59,12 @@ from k3.params import count_params
 
 
 def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode: str = "auto",
-                 moe_decode: str = "auto"):
+                 moe_decode: str = "auto", kda_decode: str = "auto"):
     cfg = arm_config("k3", d_model, n_layers).model
     cfg.dtype = dtype
     cfg.mla.decode_impl = mla_decode
     cfg.moe.decode_impl = moe_decode
+    cfg.kda.decode_impl = kda_decode
     cfg.kda.impl = "recurrent"
     if kind == "all_mla":
         cfg.mixer = "mla"
@@ -148,8 +150,8 @@ def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
           weights_dtype: str = "", profile_top: int = 0, layers: str = "served", hbm: float = 0.0,
           mla_decode: str = "auto", loop: str = "scan", moe_decode: str = "auto",
-          xla_options: dict | None = None) -> dict:
-    cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode)
+          xla_options: dict | None = None, kda_decode: str = "auto") -> dict:
+    cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode)
     model = Model(cfg, rngs=nnx.Rngs(0))
     model = {"served": served, "unrolled": unrolled, "scanned": lambda m: m}[layers](model)
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
@@ -210,7 +212,8 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     floor_ms = sum(floor.values()) / rate * 1e3 if rate else None
     return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
             "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
-            "mla_decode": mla_decode, "moe_decode": moe_decode, "loop": loop, "xla_options": xla_options or {},
+            "mla_decode": mla_decode, "moe_decode": moe_decode, "kda_decode": kda_decode, "loop": loop,
+            "xla_options": xla_options or {},
             "tokens_per_s": batch * steps / dt, "ms_per_step": dt / steps * 1e3,
             "floor_bytes": floor, "floor_ms": floor_ms,
             "x_floor": (dt / steps * 1e3) / floor_ms if floor_ms else None,
@@ -225,10 +228,10 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
 
 
 def bench_speculative(d_model: int, n_layers: int, batch: int, new_tokens: int, k: int, dtype: str,
-                      mla_decode: str = "auto", moe_decode: str = "auto") -> dict:
+                      mla_decode: str = "auto", moe_decode: str = "auto", kda_decode: str = "auto") -> dict:
     """Greedy tokens/s of `k3.generate` and of `k3.decode.speculative_generate` (prompt-lookup drafts
     of ``k`` tokens) on repetitive prompts; the two must emit the same tokens."""
-    cfg = model_config("k3", d_model, n_layers, dtype, mla_decode, moe_decode)
+    cfg = model_config("k3", d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode)
     graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     rng = jax.random.split(jax.random.key(1), batch)
     prompts = [(jax.random.randint(r, (64,), 0, cfg.vocab_size).tolist() * 8) for r in rng]
@@ -266,6 +269,7 @@ def main(argv=None):
                    help="K > 0: also time prompt-lookup speculative decoding with K-token drafts")
     p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")
     p.add_argument("--moe_decode", default="auto", help="model.moe.decode_impl: 'auto', 'train', 'gather' or 'pallas'")
+    p.add_argument("--kda_decode", default="auto", help="model.kda.decode_impl: 'auto', 'xla' or 'pallas'")
     p.add_argument("--loop", default="scan", choices=("scan", "host"),
                    help="the steps as one scan in one jitted call, or a Python loop over a jitted step")
     p.add_argument("--hbm_bytes_per_s", type=float, default=0.0,
@@ -288,13 +292,15 @@ def main(argv=None):
         key, sep, val = item.partition("=")
         if not sep or not key:
             p.error(f"--xla_option: expected KEY=VALUE; got {item!r}")
-        xla_options[key] = val
+        # XLA's boolean options take Python bools, not the strings 'true' / 'false'.
+        xla_options[key] = {"true": True, "false": False}.get(val.lower(), val)
     rows = []
     for context in (int(x) for x in a.contexts.split(",")):
         for kind in kinds:
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
             rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
-                              a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop, a.moe_decode, xla_options))
+                              a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop, a.moe_decode, xla_options,
+                              a.kda_decode))
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)
@@ -305,7 +311,7 @@ def main(argv=None):
                       flush=True)
     if a.speculative > 0:
         spec = bench_speculative(a.d_model, a.n_layers, a.batch, a.steps, a.speculative,
-                                 a.dtype, a.mla_decode, a.moe_decode)
+                                 a.dtype, a.mla_decode, a.moe_decode, a.kda_decode)
         print(json.dumps({"speculative": spec}), flush=True)
         rows.append({"model": "k3_speculative", **spec})
     if a.json:
@@ -319,7 +325,7 @@ def main(argv=None):
                   f" plain ({r['speedup']:.2f}x; {r['mean_accepted']:.2f} tokens per row and pass; "
                   f"same tokens: {r['same_tokens']})")
             continue
-        base = next((x for x in rows if x["context"] == r["context"] and x["model"] == "all_mla"), None)
+        base = next((x for x in rows if x.get("context") == r["context"] and x["model"] == "all_mla"), None)
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         temp = f"{r['temp_bytes'] / 2 ** 20:.0f}" if r["temp_bytes"] is not None else "n/a"
         floor = f"{r['floor_ms']:.3f}" if r["floor_ms"] else "n/a"

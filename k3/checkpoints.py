@@ -29,7 +29,8 @@ IDENTITY_SECTIONS = ("model", "data", "optim", "seed")
 
 # Knobs inside the identity sections that change how, not what, is computed.
 NOT_IDENTITY = ("model.moe.ep_dispatch", "model.kda.impl", "model.mla.attention_impl", "model.remat",
-                "model.remat_policy", "model.attn_res_impl", "model.kda.conv_impl", "model.ce_impl")
+                "model.remat_policy", "model.attn_res_impl", "model.kda.conv_impl", "model.ce_impl",
+                "model.kda.decode_impl")
 
 
 def run_identity(cfg) -> dict:

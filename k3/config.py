@@ -81,6 +81,8 @@ def default_config() -> ConfigDict:
     # (jnp chunked), 'recurrent' (token scan), 'pallas'
     k.conv_impl = "auto"  # k3.kda.layer.CONV_BACKENDS: conv+SiLU(+L2) branches, 'xla' (jnp) or 'pallas' (kernels);
     # 'auto': pallas on a GPU
+    k.decode_impl = "auto"  # k3.kda.layer.DECODE_STEPS, one-token decode steps: 'xla' (the layer's own ops) or
+    # 'pallas' (one kernel from projections to gated norm, cache updated in place); 'auto': pallas on a GPU
 
     e = m.moe = ConfigDict()
     e.n_experts = 8
@@ -209,6 +211,7 @@ def renamed_hint(key: str) -> str:
 _TABLES = {
     "model.kda.impl": ("k3.kda.ops", "KDA_CORES"),
     "model.kda.conv_impl": ("k3.kda.layer", "CONV_BACKENDS"),
+    "model.kda.decode_impl": ("k3.kda.layer", "DECODE_STEPS"),
     "model.moe.expert_impl": ("k3.moe.layer", "EXPERT_BACKENDS"),
     "model.moe.decode_impl": ("k3.moe.layer", "DECODE_EXPERTS"),
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),

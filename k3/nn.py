@@ -224,6 +224,21 @@ def project_inputs(layer: nnx.Module, x_BTD: jax.Array, names: Sequence[str], dt
     return [out[n] for n in names]
 
 
+def project_columns(layer: nnx.Module, x_BTD: jax.Array, names: Sequence[str], dtype) -> tuple[jax.Array, dict]:
+    """(y [B, T, N], {name: first column}): `project_inputs`' outputs flattened past [B, T] and side by
+    side in ``names``' order. With `fuse_inputs`' layout in that order y is its matmul's output as is,
+    so a kernel can take it whole instead of XLA copying column slices out of it."""
+    fused = getattr(layer, FUSED_INPUTS, None)
+    if fused is not None and [n for n, _ in layer.fused_shapes] == list(names):
+        y = jnp.einsum("btd,dn->btn", x_BTD, cast(fused, dtype))
+        sizes = [math.prod(rest) for _, rest in layer.fused_shapes]
+    else:
+        parts = [p.reshape(x_BTD.shape[:2] + (-1,)) for p in project_inputs(layer, x_BTD, names, dtype)]
+        y, sizes = jnp.concatenate(parts, axis=-1), [p.shape[-1] for p in parts]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return y, dict(zip(names, starts))
+
+
 def fuse_inputs(layer: nnx.Module, names: Sequence[str]) -> None:
     """Replaces ``layer``'s input-projection weights ``names`` (each [D, *rest], unstacked) by one
     [D, sum(prod(rest))] parameter `FUSED_INPUTS`, in place; `project_inputs` reads either layout.

@@ -65,7 +65,7 @@ def test_default_tables_pick_the_fast_paths_on_gpu_and_references_elsewhere():
 
 
 @pytest.mark.parametrize("key,bad", [("model.kda.impl", "flash"), ("model.moe.expert_impl", "megablocks"),
-                                     ("model.mla.attention_impl", "splash")])
+                                     ("model.mla.attention_impl", "splash"), ("model.kda.decode_impl", "cuda")])
 def test_config_validates_backend_names_from_the_tables(key, bad):
     cfg = default_config()
     node = cfg

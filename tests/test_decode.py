@@ -358,9 +358,11 @@ def test_bench_decode_runs_and_reports_both_models():
     host = bench_decode.bench("k3", 64, 4, 24, 2, 3, "bfloat16", "bfloat16", loop="host")
     assert host["loop"] == "host" and host["tokens_per_s"] > 0 and host["temp_bytes"] is not None
     only = bench_decode.main(["--contexts=24", "--batch=2", "--steps=3", "--d_model=64", "--n_layers=4",
-                              "--models=k3", "--xla_option=xla_gpu_enable_command_buffer=FUSION,WHILE"])
-    assert [r["model"] for r in only] == ["k3"]
-    assert only[0]["xla_options"] == {"xla_gpu_enable_command_buffer": "FUSION,WHILE"} and k3["xla_options"] == {}
+                              "--models=k3", "--xla_option=xla_gpu_enable_command_buffer=FUSION,WHILE",
+                              "--xla_option=xla_gpu_enable_triton_gemm=false", "--speculative=2"])
+    assert [r["model"] for r in only] == ["k3", "k3_speculative"]
+    assert only[0]["xla_options"] == {"xla_gpu_enable_command_buffer": "FUSION,WHILE",
+                                      "xla_gpu_enable_triton_gemm": False} and k3["xla_options"] == {}
     with pytest.raises(SystemExit):
         bench_decode.main(["--models=k3,mla"])
     with pytest.raises(SystemExit):

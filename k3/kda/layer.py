@@ -26,10 +26,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from k3.backends import Table
-from k3.nn import cast, compute_dtype, fuse_inputs, normal, ones, param, project_inputs, rms_norm, zeros
+from k3.nn import (cast, compute_dtype, fuse_inputs, normal, ones, param, project_columns, project_inputs, rms_norm,
+                   zeros)
 from k3.kda.ops import KDA_CORES, kda_core, kda_gate_bounded, kda_gate_softplus, l2_normalize
 from k3.kda.parallel import kda_core_sharded
 from k3.sharding import Sharder, spec_axes
+from pallas_kernels.kda_decode import kda_decode_step, kda_decode_supported
 from pallas_kernels.short_conv import conv_silu_pallas
 
 
@@ -83,6 +85,33 @@ def conv_branch_kernels(y_BTC, w_WC, segment_ids_BT, head_dim, eps=L2_EPS):
     if head_dim & (head_dim - 1):
         return conv_branch_xla(y_BTC, w_WC, segment_ids_BT, head_dim, eps)
     return conv_silu_pallas(y_BTC, w_WC, segment_ids_BT, head_dim, eps)
+
+
+# Who runs a one-token decode step (``model.kda.decode_impl``): 'xla' the layer's own ops (`KDA.extend`),
+# 'pallas' `pallas_kernels.kda_decode.kda_decode_step`, one kernel from the input projections to the
+# gated norm with the state and conv ring updated in place (head dims that are not a power of two >= 16
+# and meshes of more than one device take 'xla'). Several tokens at once (prompts, draft verification,
+# kept inputs for rollback) always take `KDA.extend`'s general path.
+# 'auto' is 'pallas' on a GPU: its tests pass compiled on an H100, and there (`experiments.bench_decode`,
+# K3 d_model 1024, 16 layers, batch 8, 4K context, routed-expert kernel) a step took 1.821 ms against 1.926.
+DECODE_STEPS = Table("model.kda.decode_impl", default="xla", auto={"gpu": "pallas"})
+DECODE_STEPS.register("xla")(None)
+
+
+@DECODE_STEPS.register("pallas")
+def decode_step_kernel(layer: "KDA", x_BD: jax.Array, cache: dict, n_valid_B: jax.Array):
+    """One token per row through ``layer`` by `kda_decode_step`: (y [B, D], new cache). x: [B, D]."""
+    H, K = layer.n_heads, layer.head_dim
+    y_BN, cols = project_columns(layer, x_BD[:, None], layer.INPUTS, layer.dtype)
+    y_BN = y_BN[:, 0]
+    fa = y_BN[:, cols["w_fa"]:cols["w_fa"] + K]
+    z = jnp.einsum("br,rn->bn", fa, cast(layer.w_fb, layer.dtype).reshape(K, H * K))
+    conv = [c[...].reshape(-1, H * K) for c in (layer.conv_q, layer.conv_k, layer.conv_v)]
+    o, state, ring = kda_decode_step(
+        y_BN, z, *conv, layer.dt_bias[...], layer.A_log[...], layer.o_norm[...], cache["state"], cache["conv"],
+        n_valid_B, beta_col=cols["w_beta"], gate_col=cols["w_gate"], gate_kind=layer.gate_kind,
+        lower_bound=layer.lower_bound, eps=layer.eps, l2_eps=L2_EPS, out_dtype=layer.dtype)
+    return jnp.einsum("bhk,hkd->bd", o, cast(layer.w_o, layer.dtype)), {"state": state, "conv": ring}
 
 
 def conv_ring(ring_BWC: jax.Array, new_BTC: jax.Array, n_valid_B: jax.Array) -> jax.Array:
@@ -146,6 +175,8 @@ class KDA(nnx.Module):
         # 'auto' is resolved here, once: the sharded path below and `extend` test the concrete name.
         self.impl, self.chunk_size = KDA_CORES.resolve(k.impl), k.chunk_size
         self.conv_size, self.conv_impl = k.conv_size, CONV_BACKENDS.resolve(k.conv_impl)
+        one_device = sharder is None or sharder.mesh.size == 1
+        self.decode_step = DECODE_STEPS.get(k.decode_impl) if one_device and kda_decode_supported(k.head_dim) else None
         self.dtype = jnp.dtype(cfg.dtype)
         # The Pallas kernel's matmuls follow the compute dtype (bf16 operands, fp32 accumulation).
         self.matmul_dtype = "bfloat16" if self.dtype == jnp.bfloat16 else "float32"
@@ -271,6 +302,9 @@ class KDA(nnx.Module):
         del start_B
         x = x_BTD.astype(self.dtype)
         T = x.shape[1]
+        if T == 1 and not keep_inputs and self.decode_step is not None:
+            y, new = self.decode_step(self, x[:, 0], cache, n_valid_B)
+            return y[:, None], new
         yq, yk, yv, fa, b, gate = project_inputs(self, x, self.INPUTS, self.dtype)
         B, _, H, K = yq.shape
         # With the served layout's fused projections q, k and v are already adjacent columns.
