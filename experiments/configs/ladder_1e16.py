@@ -36,8 +36,9 @@ Each command then prepares the data again: its first run starts 1.5-2 minutes in
 
    The sweep's four rates of one (arm, size) train as one vmapped program (``population = 4``,
    `experiments.run_ladder`), whose step has about as many kernels as one run's (compiled for the
-   H200: 4.3-4.5x fewer per run-step, BENCHMARKS.md). The speed-up on a GPU is not measured yet; the
-   runner records it (``population``, ``mfu_full``).
+   H200: 4.3-4.5x fewer per run-step, BENCHMARKS.md). On an H100 a population trained 1.7-1.9x the
+   tokens per second of single runs (K2 192x6, K3 160x6; BENCHMARKS.md); the runner records each
+   population's speed (``population``, ``mfu_full``).
 
 2. Fit each arm's rule and set it: ``python -m experiments.fit --results=OUT`` prints
    ``lr_rules = "k2=...;k3=..."``; put that into ``c.lr_rules`` below.
