@@ -168,9 +168,10 @@ def compile_step(cfg, device, population: int = 1):
 
 
 def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode: str = "auto",
-                        moe_decode: str = "auto", kda_decode: str = "auto"):
+                        moe_decode: str = "auto", kda_decode: str = "auto", sets=()):
     """(compiled step, seconds): one greedy decode step of `experiments.bench_decode`'s served model
-    (bf16 weights, served layout `k3.model.served`, a cache holding ``context`` tokens), abstract and on ``device``."""
+    (bf16 weights, served layout `k3.model.served`, a cache holding ``context`` tokens), abstract and on ``device``;
+    ``sets``: 'model.KEY=VALUE' settings applied to its config."""
     from jax.sharding import SingleDeviceSharding
     from flax import nnx
 
@@ -183,7 +184,7 @@ def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode:
     put = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
     t0 = time.perf_counter()
     with _for_gpu():
-        cfg = model_config(kind, int(d), int(layers), "bfloat16", mla_decode, moe_decode, kda_decode)
+        cfg = model_config(kind, int(d), int(layers), "bfloat16", mla_decode, moe_decode, kda_decode, sets)
         model = nnx.eval_shape(lambda: served(Model(cfg, rngs=nnx.Rngs(0))))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = jax.tree.map(lambda x: put(jax.ShapeDtypeStruct(
@@ -461,7 +462,8 @@ def main(argv=None):
     p.add_argument("--batches", default="8", help="comma-separated batch sizes (rows of seq_len tokens)")
     p.add_argument("--remat", action="store_true", help="rematerialise each scanned layer group")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override (repeatable; with --ladder, applied to every run)")
+                   help="config override (repeatable; with --ladder, applied to every run; with --decode, "
+                        "model.KEY=VALUE settings of the decoded model)")
     p.add_argument("--top", type=int, default=12, help="kernels listed by floor")
     p.add_argument("--json", default="")
     p.add_argument("--hlo_dir", default="", help="also write each compiled module's HLO text there")
@@ -528,7 +530,7 @@ def main(argv=None):
         for batch, length in runs:
             if a.decode:
                 compiled, seconds = compile_decode_step(spec, length, batch, device, a.mla_decode, a.moe_decode,
-                                                       a.kda_decode)
+                                                       a.kda_decode, a.set)
                 tag = f"{style}_{d}_{layers}_decode_b{batch}_c{length}"
             else:
                 cfg = build_config(style, d, layers, length, batch, a.remat, a.set)

@@ -5,7 +5,7 @@
         [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--kda_decode=auto|xla|pallas]
         [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]
-        [--speculative=0] [--xla_option=KEY=VALUE ...] [--json=PATH]
+        [--speculative=0] [--xla_option=KEY=VALUE ...] [--set=model.KEY=VALUE ...] [--json=PATH]
 
 Both models are `experiments.configs.ladder`'s K3 arm at the given width and depth; the second one
 swaps every KDA layer for (Gated, NoPE) MLA. The cache is filled with random values at the context
@@ -30,6 +30,9 @@ before timing, as at load time): split per layer, each mixer's input projections
 matrix; ``unrolled`` splits the layers only (`k3.model.unrolled`: XLA then merges the input
 projections' small matmuls by concatenating their weights at every step); ``scanned`` keeps the
 training layout, whose decode step slices every body layer's weights out of their stack.
+
+``--set=model.KEY=VALUE`` (repeatable) changes any model setting of both models, after the flags
+above, e.g. ``--set=model.attn_res_impl=xla``; each row records them.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments.bench_train_step import apply_sets
 from experiments.configs.ladder import arm_config
 from k3 import decode
 from k3.backends import COMPILE_CACHE_HELP, use_compile_cache
@@ -59,8 +63,11 @@ from k3.params import count_params
 
 
 def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode: str = "auto",
-                 moe_decode: str = "auto", kda_decode: str = "auto"):
-    cfg = arm_config("k3", d_model, n_layers).model
+                 moe_decode: str = "auto", kda_decode: str = "auto", sets=()):
+    """The benchmarked model's config: the ladder's K3 arm at this width and depth ('all_mla': every
+    mixer MLA), with the decode backends given and then ``sets`` ('model.KEY=VALUE') applied."""
+    full = arm_config("k3", d_model, n_layers)
+    cfg = full.model
     cfg.dtype = dtype
     cfg.mla.decode_impl = mla_decode
     cfg.moe.decode_impl = moe_decode
@@ -68,7 +75,10 @@ def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode:
     cfg.kda.impl = "recurrent"
     if kind == "all_mla":
         cfg.mixer = "mla"
-    return cfg
+    bad = [item for item in sets if not item.startswith("model.")]
+    if bad:
+        raise SystemExit(f"--set takes model settings (model.KEY=VALUE); got {bad}")
+    return apply_sets(full, sets).model if sets else cfg
 
 
 def device_kernel_times(fn, top: int) -> dict:
@@ -150,8 +160,8 @@ def floor_bytes(cfg, cache: dict, batch: int, context: int, weight_itemsize: int
 def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, steps: int, dtype: str,
           weights_dtype: str = "", profile_top: int = 0, layers: str = "served", hbm: float = 0.0,
           mla_decode: str = "auto", loop: str = "scan", moe_decode: str = "auto",
-          xla_options: dict | None = None, kda_decode: str = "auto") -> dict:
-    cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode)
+          xla_options: dict | None = None, kda_decode: str = "auto", sets=()) -> dict:
+    cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode, sets)
     model = Model(cfg, rngs=nnx.Rngs(0))
     model = {"served": served, "unrolled": unrolled, "scanned": lambda m: m}[layers](model)
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
@@ -213,7 +223,7 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
             "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
             "mla_decode": mla_decode, "moe_decode": moe_decode, "kda_decode": kda_decode, "loop": loop,
-            "xla_options": xla_options or {},
+            "xla_options": xla_options or {}, "sets": list(sets),
             "tokens_per_s": batch * steps / dt, "ms_per_step": dt / steps * 1e3,
             "floor_bytes": floor, "floor_ms": floor_ms,
             "x_floor": (dt / steps * 1e3) / floor_ms if floor_ms else None,
@@ -228,10 +238,11 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
 
 
 def bench_speculative(d_model: int, n_layers: int, batch: int, new_tokens: int, k: int, dtype: str,
-                      mla_decode: str = "auto", moe_decode: str = "auto", kda_decode: str = "auto") -> dict:
+                      mla_decode: str = "auto", moe_decode: str = "auto", kda_decode: str = "auto",
+                      sets=()) -> dict:
     """Greedy tokens/s of `k3.generate` and of `k3.decode.speculative_generate` (prompt-lookup drafts
     of ``k`` tokens) on repetitive prompts; the two must emit the same tokens."""
-    cfg = model_config("k3", d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode)
+    cfg = model_config("k3", d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode, sets)
     graphdef, params, rest = nnx.split(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     rng = jax.random.split(jax.random.key(1), batch)
     prompts = [(jax.random.randint(r, (64,), 0, cfg.vocab_size).tolist() * 8) for r in rng]
@@ -279,6 +290,8 @@ def main(argv=None):
     p.add_argument("--xla_option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option for the timed program only (repeatable), e.g. "
                         "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,CONDITIONAL,WHILE")
+    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="a model setting for both models (repeatable), e.g. model.attn_res_impl=xla")
     p.add_argument("--json", default="")
     p.add_argument("--compile_cache", default="", help=COMPILE_CACHE_HELP)
     a = p.parse_args(argv)
@@ -300,7 +313,7 @@ def main(argv=None):
             wd = a.dtype if a.weights_dtype == "same" else a.weights_dtype
             rows.append(bench(kind, a.d_model, a.n_layers, context, a.batch, a.steps, a.dtype, wd, a.profile_top,
                               a.layers, a.hbm_bytes_per_s, a.mla_decode, a.loop, a.moe_decode, xla_options,
-                              a.kda_decode))
+                              a.kda_decode, a.set))
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)
@@ -311,7 +324,7 @@ def main(argv=None):
                       flush=True)
     if a.speculative > 0:
         spec = bench_speculative(a.d_model, a.n_layers, a.batch, a.steps, a.speculative,
-                                 a.dtype, a.mla_decode, a.moe_decode, a.kda_decode)
+                                 a.dtype, a.mla_decode, a.moe_decode, a.kda_decode, a.set)
         print(json.dumps({"speculative": spec}), flush=True)
         rows.append({"model": "k3_speculative", **spec})
     if a.json:

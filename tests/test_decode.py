@@ -367,6 +367,14 @@ def test_bench_decode_runs_and_reports_both_models():
         bench_decode.main(["--models=k3,mla"])
     with pytest.raises(SystemExit):
         bench_decode.main(["--models=k3", "--xla_option=no_value"])
+    mixed = bench_decode.bench("k3", 64, 4, 24, 2, 3, "bfloat16", "bfloat16", sets=["model.attn_res_impl=xla"])
+    assert mixed["sets"] == ["model.attn_res_impl=xla"] and mixed["tokens_per_s"] > 0
+    assert bench_decode.model_config("k3", 64, 4, "float32", sets=["model.kda.decode_impl=pallas"]).kda.decode_impl \
+        == "pallas"
+    with pytest.raises(SystemExit, match="unknown config key model.kda.no_such"):
+        bench_decode.model_config("k3", 64, 4, "float32", sets=["model.kda.no_such=1"])
+    with pytest.raises(SystemExit, match="model settings"):
+        bench_decode.model_config("k3", 64, 4, "float32", sets=["data.batch_size=2"])
 
 
 @pytest.mark.parametrize("style", STYLES_SLOW_K3)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pallas_kernels import bench_attn_res, bench_short_conv
+from pallas_kernels import bench_attn_res, bench_moe_decode, bench_short_conv
 
 
 def test_short_conv_bench_rows_and_json(tmp_path):
@@ -19,6 +19,22 @@ def test_short_conv_bench_rows_and_json(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["command"].startswith("python -m pallas_kernels.bench_short_conv --shape=1x40x2x16")
     assert saved["timing"] == "pipelined" and len(saved["rows"]) == 8
+
+
+def test_moe_decode_bench_rows_and_json(tmp_path):
+    out = tmp_path / "moe.json"
+    rows = bench_moe_decode.main(["--shape=3x2x5x16x32", "--variants=16:16:4:1,8:32:2:2", "--iters=1",
+                                  f"--json={out}"])
+    assert [(r["impl"], r["variant"]) for r in rows] == [("gather", ""), ("pallas", "16:16:4:1"),
+                                                        ("pallas", "8:32:2:2")]
+    assert all(r["max_rel_diff"] < 2e-2 and r["ms"] > 0 for r in rows)
+    assert 2 <= rows[0]["distinct_experts"] <= 5 and rows[0]["bytes"] >= 2 * 3 * 16 * 32 * 2
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("python -m pallas_kernels.bench_moe_decode --shape=3x2x5x16x32")
+    with pytest.raises(SystemExit, match="NxKxExDxF"):
+        bench_moe_decode.main(["--shape=3x6x5x16x32"])
+    with pytest.raises(SystemExit, match="block_in:block_out"):
+        bench_moe_decode.main(["--shape=3x2x5x16x32", "--variants=16:16"])
 
 
 def test_attn_res_bench_rows_and_bad_shape(capsys):
