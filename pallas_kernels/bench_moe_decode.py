@@ -5,8 +5,8 @@ experts (`k3.moe.layer.gathered_experts`), side by side, as fractions of HBM ban
 
 Shape NxKxExDxF: N tokens, top-K routes each (distinct experts per token, drawn at random), E experts
 of width D and hidden F (K3's served d_model 1024 model: 64 experts, top 4, latent 512, hidden 1024).
-Variants: block_in:block_out:warps:stages (`routed_glu`'s tile rows, tile columns, Triton warps and
-pipeline stages). bf16 weights and inputs, SiTU-GLU. Each row is the seconds per call with --iters
+Variants: block_in:block_out:warps:stages[:d] (`routed_glu`'s tile rows, tile columns, Triton warps and
+pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``). bf16 weights and inputs, SiTU-GLU. Each row is the seconds per call with --iters
 calls dispatched back to back (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move
 at least (each distinct routed expert's three matrices once, plus x and y), that over the time as a
 fraction of the device's HBM bandwidth, and the gather path's time over this one. Before timing each
@@ -54,14 +54,18 @@ def bench(shape, variants, iters):
     gather = jax.jit(lambda x, i, a, b, c: gathered_experts(x, i, a, b, c, "situ", BETAS))
     impls = [("gather", "", gather)]
     for v in variants:
+        parts = v.split(":")
+        defer = len(parts) == 5 and parts[4] == "d"
         try:
-            b_in, b_out, warps, stages = (int(p) for p in v.split(":"))
+            if len(parts) not in (4, 5) or (len(parts) == 5 and not defer):
+                raise ValueError
+            b_in, b_out, warps, stages = (int(p) for p in parts[:4])
         except ValueError:
-            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages; got {v!r}") from None
+            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages[:d]; got {v!r}") from None
 
-        def run(x, i, a, b, c, b_in=b_in, b_out=b_out, warps=warps, stages=stages):
+        def run(x, i, a, b, c, b_in=b_in, b_out=b_out, warps=warps, stages=stages, defer=defer):
             y = routed_glu(jnp.repeat(x, K, axis=0), i.reshape(-1), a, b, c, act=act, block_in=b_in,
-                           block_out=b_out, num_warps=warps, num_stages=stages)
+                           block_out=b_out, num_warps=warps, num_stages=stages, defer_sum=defer)
             return y.reshape(N, K, -1)
 
         impls.append(("pallas", v, jax.jit(run)))
@@ -82,8 +86,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8x4x64x512x1024", help="NxKxExDxF")
-    ap.add_argument("--variants", default="64:128:4:3,32:64:4:3,64:64:4:3,128:128:8:3,64:256:8:4,32:128:4:4,16:64:2:3",
-                    help="block_in:block_out:warps:stages, comma-separated")
+    ap.add_argument("--variants", default="64:128:4:3,64:128:4:3:d,32:64:4:3,32:64:4:3:d,64:64:4:3,128:128:8:3,"
+                    "64:256:8:4,32:128:4:4,32:128:4:4:d,16:64:2:3",
+                    help="block_in:block_out:warps:stages[:d], comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)

@@ -48,7 +48,11 @@ def routed_glu_supported(D: int, F: int) -> bool:
     return _pow2(D) and _pow2(F)
 
 
-def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D):
+def _sum_rows(t, defer):
+    return t if defer else jnp.sum(t, axis=0)
+
+
+def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, defer):
     r, j = pl.program_id(0), pl.program_id(1)
     e = e_ref[r]
     bf = h_ref.shape[-1]
@@ -58,16 +62,18 @@ def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D):
         g, u = acc
         rows = pl.ds(i * block_d, block_d)
         x = x_ref[rows].astype(jnp.float32)[:, None]
-        g = g + jnp.sum(x * wg_ref[e, rows, cols].astype(jnp.float32), axis=0)
-        u = u + jnp.sum(x * wu_ref[e, rows, cols].astype(jnp.float32), axis=0)
+        g = g + _sum_rows(x * wg_ref[e, rows, cols].astype(jnp.float32), defer)
+        u = u + _sum_rows(x * wu_ref[e, rows, cols].astype(jnp.float32), defer)
         return g, u
 
-    zero = jnp.zeros((bf,), jnp.float32)
+    zero = jnp.zeros((block_d, bf) if defer else (bf,), jnp.float32)
     g, u = lax.fori_loop(0, D // block_d, step, (zero, zero))
+    if defer:
+        g, u = jnp.sum(g, axis=0), jnp.sum(u, axis=0)
     h_ref[...] = act(g, u).astype(h_ref.dtype)
 
 
-def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, block_f, F):
+def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, block_f, F, defer):
     r, j = pl.program_id(0), pl.program_id(1)
     e = e_ref[r]
     bd = y_ref.shape[-1]
@@ -76,21 +82,26 @@ def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, block_f, F):
     def step(i, acc):
         rows = pl.ds(i * block_f, block_f)
         h = h_ref[rows].astype(jnp.float32)[:, None]
-        return acc + jnp.sum(h * wd_ref[e, rows, cols].astype(jnp.float32), axis=0)
+        return acc + _sum_rows(h * wd_ref[e, rows, cols].astype(jnp.float32), defer)
 
-    y = lax.fori_loop(0, F // block_f, step, jnp.zeros((bd,), jnp.float32))
+    y = lax.fori_loop(0, F // block_f, step, jnp.zeros((block_f, bd) if defer else (bd,), jnp.float32))
+    if defer:
+        y = jnp.sum(y, axis=0)
     y_ref[...] = y.astype(y_ref.dtype)
 
 
 def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 64,
-               block_out: int = 128, num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None):
+               block_out: int = 128, num_warps: int = 4, num_stages: int = 3, defer_sum: bool = False,
+               interpret: bool | None = None):
     """y [R, D] (x's dtype): each route's gated FFN through its own expert (see the module docstring).
 
     x: [R, D]; expert: [R] int; w_gate, w_up: [E, D, F]; w_down: [E, F, D]; act: (gate, up) fp32 [n]
     -> [n], elementwise (e.g. SiTU-GLU); block_in: rows of a weight tile (the reduction step);
     block_out: its columns (one program's outputs); num_stages: Triton's software pipelining of the
-    weight-tile loop (loads of the next tiles issued while the current ones are summed). An expert id outside [0, E) reads garbage (the
-    router never makes one)."""
+    weight-tile loop (loads of the next tiles issued while the current ones are summed); defer_sum: keep
+    [block_in, block_out] fp32 partial products across the loop and sum their rows once at the end,
+    instead of a cross-thread row sum per tile (more registers, fewer reductions). An expert id outside
+    [0, E) reads garbage (the router never makes one)."""
     R, D = x_RD.shape
     E, _, F = w_gate_EDF.shape
     if w_up_EDF.shape != (E, D, F) or w_down_EFD.shape != (E, F, D) or expert_R.shape != (R,):
@@ -104,7 +115,7 @@ def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_i
     expert = expert_R.astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda r, j: (0,) * len(shape))  # noqa: E731
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, act=act, block_d=bd_in, D=D),
+        functools.partial(_gate_up_kernel, act=act, block_d=bd_in, D=D, defer=defer_sum),
         grid=(R, F // bf),
         in_specs=[whole((R,)), pl.BlockSpec((None, D), lambda r, j: (r, 0)), whole((E, D, F)), whole((E, D, F))],
         out_specs=pl.BlockSpec((None, bf), lambda r, j: (r, j)),
@@ -112,7 +123,7 @@ def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_i
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_gate_up",
     )(expert, x_RD, w_gate_EDF, w_up_EDF)
     return pl.pallas_call(
-        functools.partial(_down_kernel, block_f=bf_in, F=F),
+        functools.partial(_down_kernel, block_f=bf_in, F=F, defer=defer_sum),
         grid=(R, D // bd),
         in_specs=[whole((R,)), pl.BlockSpec((None, F), lambda r, j: (r, 0)), whole((E, F, D))],
         out_specs=pl.BlockSpec((None, bd), lambda r, j: (r, j)),

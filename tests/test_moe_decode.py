@@ -46,11 +46,12 @@ def test_routed_glu_kernel_against_float64(R, E, D, F, block_in, block_out, kind
     wg, wu, wd = _weights(rng, E, D, F)
     act = functools.partial(glu_parts_output, kind=kind, beta_gate=BETAS[0], beta_up=BETAS[1])
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    got = routed_glu(f32(x), jnp.asarray(experts), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
-                     block_out=block_out)
     want = _loop64(x, experts, wg, wu, wd, kind)
-    assert got.dtype == jnp.float32
-    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+    for defer in (False, True):
+        got = routed_glu(f32(x), jnp.asarray(experts), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
+                         block_out=block_out, defer_sum=defer)
+        assert got.dtype == jnp.float32
+        assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
     # bf16 operands: fp32 accumulation, the hidden and the output rounded to bf16.
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     got16 = routed_glu(bf(x), jnp.asarray(experts), bf(wg), bf(wu), bf(wd), act=act)
