@@ -7,10 +7,11 @@ Shape NxKxExDxF: N tokens, top-K routes each (distinct experts per token, drawn 
 of width D and hidden F (K3's served d_model 1024 model: 64 experts, top 4, latent 512, hidden 1024).
 Variants: block_in:block_out:warps:stages[:d] (`routed_glu`'s tile rows, tile columns, Triton warps and
 pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``). bf16 weights and
-inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move
-at least (each distinct routed expert's three matrices once, plus x and y), that over the time as a
-fraction of the device's HBM bandwidth, and the gather path's time over this one. Before timing each
-output is checked against the gather path (max |difference| over its max |value|).
+inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back
+(`pallas_kernels.common.pipelined_seconds`), the bytes a call must move at least (each distinct routed
+expert's three matrices once, plus x and y), that over the time as a fraction of the device's HBM
+bandwidth, and the gather path's time over this one. Before timing each output is checked against the
+gather path (max |difference| over its max |value|).
 """
 
 from __future__ import annotations
