@@ -979,8 +979,10 @@ def main(argv=None) -> int:
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        phases = ", ".join(f"{k} {v:.0f}s" for k, v in data.meta.get("phases", {}).items())
         print(f"data: {data.train.num_tokens:,} training tokens, {data.val.num_tokens:,} held out; ready in "
-              f"{time.perf_counter() - t_data:.0f}s ({time.perf_counter() - t_start:.0f}s since start)", flush=True)
+              f"{time.perf_counter() - t_data:.0f}s{f' ({phases})' if phases else ''} "
+              f"({time.perf_counter() - t_start:.0f}s since start)", flush=True)
         try:
             check_epochs(runs, data.train.num_tokens, ladder.max_epochs)
         except LadderError as e:

@@ -337,6 +337,9 @@ def test_cache_reused_and_rebuilt_when_stale(tmp_path):
     wd = tmp_path / "wd"
     d1 = prepare_data(cfg, wd)
     assert not d1.meta["cache_hit"]
+    assert set(d1.meta["phases"]) == {"listing", "tokenizer", "tokens"}
+    assert all(v >= 0 for v in d1.meta["phases"].values())
+    assert sum(d1.meta["phases"].values()) == pytest.approx(d1.meta["seconds"], abs=0.01)
     assert prepare_data(cfg, wd).meta["cache_hit"]
     c = load_text_corpus("text_dir", data_dir, val_fraction=0.3)
     assert c.doc_names() == ["a.txt", "c.py", "sub/b.md"]

@@ -524,6 +524,9 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
     cache = workdir / CACHE_DIR
     cache.mkdir(parents=True, exist_ok=True)
     settings = {"val_fraction": float(d.val_fraction), "max_docs": int(d.max_docs)}
+    # Seconds per phase of a text source: listing the files; reading the corpus and training the BPE
+    # tokenizer when it is not cached; reading, tokenising and writing the token cache (or loading it).
+    phases = {}
 
     if d.source == "tokens":
         root, files = corpus_lib.list_token_files(d.path)
@@ -564,6 +567,7 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
             _write_json_atomic(cache / "meta.json", meta)
     else:
         listing = corpus_lib.list_text_files(d.source, d.path, suffixes=d.suffixes, extra_roots=d.extra_roots)
+        phases["listing"] = time.perf_counter() - t0
         corpus_box = []
 
         def get_corpus():
@@ -579,6 +583,7 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
             yield from (c.iter_texts("train") if order is None else c.iter_texts(order=order))
 
         tok = load_or_train_tokenizer(cfg, workdir, train_texts())
+        phases["tokenizer"] = time.perf_counter() - t0 - phases["listing"]
         root, files = listing
         fingerprint = {
             "version": CACHE_VERSION, "source": d.source, "root": str(root),
@@ -605,7 +610,10 @@ def _prepare_data(cfg, workdir: str | os.PathLike) -> PreparedData:
             _write_json_atomic(cache / "meta.json", meta)
             train, val = _load_text_streams(cache, meta)
 
-    meta = dict(meta, cache_hit=hit, seconds=round(time.perf_counter() - t0, 3))
+    seconds = time.perf_counter() - t0
+    if phases:
+        phases["tokens"] = seconds - sum(phases.values())
+    meta = dict(meta, cache_hit=hit, seconds=round(seconds, 3), phases={k: round(v, 3) for k, v in phases.items()})
     log.info(
         "data: %s, %d train docs / %d tokens, %d val docs / %d tokens, tokenizer %r, %s in %.2fs",
         d.source, train.num_docs, train.num_tokens, val.num_docs, val.num_tokens, tok,
