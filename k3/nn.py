@@ -215,13 +215,9 @@ def project_inputs(layer: nnx.Module, x_BTD: jax.Array, names: Sequence[str], dt
         ws = [getattr(layer, n) for n in names]
         return [jnp.einsum(f"btd,d{'hkjl'[:w.ndim - 1]}->bt{'hkjl'[:w.ndim - 1]}", x_BTD, cast(w, dtype))
                 for w in ws]
-    y = jnp.einsum("btd,dn->btn", x_BTD, cast(fused, dtype))
-    out, start = {}, 0
-    for name, rest in layer.fused_shapes:
-        size = math.prod(rest)
-        out[name] = y[..., start:start + size].reshape(x_BTD.shape[:2] + tuple(rest))
-        start += size
-    return [out[n] for n in names]
+    y, starts = project_columns(layer, x_BTD, [n for n, _ in layer.fused_shapes], dtype)
+    rest = dict(layer.fused_shapes)
+    return [y[..., starts[n]:starts[n] + math.prod(rest[n])].reshape(x_BTD.shape[:2] + tuple(rest[n])) for n in names]
 
 
 def project_columns(layer: nnx.Module, x_BTD: jax.Array, names: Sequence[str], dtype) -> tuple[jax.Array, dict]:

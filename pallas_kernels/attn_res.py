@@ -36,14 +36,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import compute_dtype, default_interpret, triton_params
+from pallas_kernels.common import compute_dtype, default_interpret, pow2_from_16, triton_params
 
 __all__ = ["depth_mix_pallas", "kernel_width_ok"]
 
 
 def kernel_width_ok(d_model: int) -> bool:
     """Whether the kernels take rows of this width: a power of two >= 16 (Triton's tile sides)."""
-    return d_model >= 16 and d_model & (d_model - 1) == 0
+    return pow2_from_16(d_model)
 
 
 def _candidate(cands_ref, extra_ref, m, n, dt, rows=slice(None)):

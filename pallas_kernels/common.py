@@ -36,6 +36,11 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def pow2_from_16(n: int) -> bool:
+    """Whether n is a power of two >= 16: a side Triton tiles take as it is."""
+    return n >= 16 and n & (n - 1) == 0
+
+
 def pow2_at_least_16(n: int) -> int:
     """The smallest power of two >= max(n, 16): Triton tiles need power-of-two sides of 16 or more."""
     return max(16, 1 << (int(n) - 1).bit_length())

@@ -38,20 +38,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, triton_params
+from pallas_kernels.common import default_interpret, pow2_from_16, triton_params
 
 
 def kda_decode_supported(head_dim: int) -> bool:
     """Whether `kda_decode_step` takes heads of this width (a power of two >= 16)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
-def _softplus(x):
-    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+    return pow2_from_16(head_dim)
 
 
 def _kernel(n_ref, y_ref, z_ref, wq_ref, wk_ref, wv_ref, dtb_ref, alog_ref, onw_ref, s_ref, r_ref,
@@ -70,16 +62,16 @@ def _kernel(n_ref, y_ref, z_ref, wq_ref, wk_ref, wv_ref, dtb_ref, alog_ref, onw_
             acc = acc + rows[i] * w_ref[i, head].astype(f32)
         for i in range(R):
             r_out[b, i, cols] = jnp.where(valid, rows[i + 1] if i + 1 < R else new, rows[i])
-        return acc * _sigmoid(acc)
+        return acc * jax.nn.sigmoid(acc)
 
     q, k, v = branch(0, wq_ref), branch(1, wk_ref), branch(2, wv_ref)
     q = q * lax.rsqrt(jnp.sum(q * q) + l2_eps)
     k = k * lax.rsqrt(jnp.sum(k * k) + l2_eps)
     z = z_ref[b, pl.ds(h * K, K)].astype(f32) + dtb_ref[h, :].astype(f32)
     rate = jnp.exp(alog_ref[h].astype(f32))
-    g = lower_bound * _sigmoid(rate * z) if bounded else -rate * _softplus(z)
+    g = lower_bound * jax.nn.sigmoid(rate * z) if bounded else -rate * jax.nn.softplus(z)
     g = jnp.where(valid, g, 0.0)
-    beta = jnp.where(valid, _sigmoid(y_ref[b, beta_col + h].astype(f32)), 0.0)
+    beta = jnp.where(valid, jax.nn.sigmoid(y_ref[b, beta_col + h].astype(f32)), 0.0)
 
     S = s_ref[b, h, :, :] * jnp.exp(g)[:, None]
     kS = jnp.sum(k[:, None] * S, axis=0)
@@ -88,7 +80,7 @@ def _kernel(n_ref, y_ref, z_ref, wq_ref, wk_ref, wv_ref, dtb_ref, alog_ref, onw_
     o = jnp.sum((scale * q)[:, None] * S, axis=0)
     o = o * lax.rsqrt(jnp.mean(o * o) + eps) * onw_ref[:].astype(f32)
     gate = y_ref[b, pl.ds(gate_col + h * K, K)].astype(f32)
-    o_ref[b, h, :] = (o * _sigmoid(gate)).astype(o_ref.dtype)
+    o_ref[b, h, :] = (o * jax.nn.sigmoid(gate)).astype(o_ref.dtype)
 
 
 def kda_decode_step(y_BN, z_BC, conv_q_WC, conv_k_WC, conv_v_WC, dt_bias_HK, A_log_H, o_norm_K, state_BHKK,

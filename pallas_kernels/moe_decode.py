@@ -36,16 +36,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, triton_params
-
-
-def _pow2(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
+from pallas_kernels.common import default_interpret, pow2_from_16, triton_params
 
 
 def routed_glu_supported(D: int, F: int) -> bool:
     """Whether `routed_glu` takes experts of width D and hidden F (powers of two >= 16)."""
-    return _pow2(D) and _pow2(F)
+    return pow2_from_16(D) and pow2_from_16(F)
 
 
 def _sum_rows(t, defer):
