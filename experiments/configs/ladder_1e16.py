@@ -41,7 +41,9 @@ Each command then prepares the data again: its first run starts 1.5-2 minutes in
    population's speed (``population``, ``mfu_full``).
 
 2. Fit each arm's rule and set it: ``python -m experiments.fit --results=OUT`` prints
-   ``lr_rules = "k2=...;k3=..."``; put that into ``c.lr_rules`` below.
+   ``lr_rules = "k2=...;k3=..."``; put that into ``c.lr_rules`` below. Done: the value below is the fit
+   of stage 1's sweep (three sizes per arm, C = 6ND; experiments/RESULTS.md). Changing it renames the
+   own-rule runs (their ids carry the rule's hash), so the recorded stage-3 points would not count.
 3. Main runs at each arm's own rule (all sizes), the shared-rule runs the sweep did not make, seeds
    and same-seed repeats:
 
@@ -75,7 +77,7 @@ def get_config():
     c.repeats = 1
     c.lr_sweep = "0.5,2.0,4.0,8.0"
     c.sweep_sizes = 3
-    c.lr_rules = ""  # stage 2 fills this in from the sweep
+    c.lr_rules = "k2=17338.8:-0.424893;k3=76584.7:-0.466488"  # stage 2: experiments.fit, 6ND convention
     c.max_epochs = 1.0
     c.population = 4  # the sweep's 4 rates of one (arm, size) train as one program (run_ladder's docstring)
     c.eval_batches = 0
