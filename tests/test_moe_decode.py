@@ -14,7 +14,8 @@ from conftest import tiny_model_cfg
 from k3 import decode
 from k3.ffn import glu_parts_output
 from k3.model import Model
-from k3.moe.layer import DECODE_EXPERTS, MoE, dense_experts, gathered_experts, pallas_routed_experts
+from k3.moe.layer import (DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts, gathered_experts,
+                          pallas_routed_experts)
 from pallas_kernels.moe_decode import routed_glu
 
 BETAS = (4.0, 25.0)
@@ -101,6 +102,29 @@ def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
     many = jax.random.normal(jax.random.key(2), (2, E, cfg.d_model))
     moe(many, decode=True)  # N k >= E: the training backend
     assert calls == [(few.shape[1], k)]
+
+
+def test_decode_with_many_routes_is_dropless_under_capacity():
+    """A decoding call with N k >= E (speculative verification) under the 'capacity' backend drops no
+    route up to DROPLESS_DECODE_TOKENS tokens, even when every token picks the same experts, and equals
+    the dense reference; the training call at the same tokens drops, and so does a longer decode call."""
+    cfg = tiny_model_cfg(**{"moe.expert_impl": "capacity", "moe.decode_impl": "train", "moe.expert_capacity": 1.25})
+    moe = MoE(cfg, rngs=nnx.Rngs(5))
+    E, k = cfg.moe.n_experts, cfg.moe.top_k
+    moe.router_bias[...] = jnp.zeros((E,), jnp.float32).at[:k].set(10.0)  # every token to experts 0..k-1
+    n = max(E, 33)  # N k >= E, and N past the configured capacity's rows
+    x = jax.random.normal(jax.random.key(6), (1, n, cfg.d_model))
+    y_dec, st_dec = moe(x, decode=True)
+    y_train, st_train = moe(x)
+    assert float(st_dec["dropped"]) == 0 and float(st_train["dropped"]) > 0
+    moe.experts = dense_experts
+    y_ref, _ = moe(x)
+    scale = float(np.abs(np.asarray(y_ref)).max())
+    np.testing.assert_allclose(y_dec, y_ref, rtol=1e-4, atol=1e-4 * scale)
+    assert np.abs(np.asarray(y_train) - np.asarray(y_ref)).max() > 0.1 * scale
+    moe.experts = MoE(cfg, rngs=nnx.Rngs(5)).experts
+    longer = jax.random.normal(jax.random.key(7), (1, DROPLESS_DECODE_TOKENS + 1, cfg.d_model))
+    assert float(moe(longer, decode=True)[1]["dropped"]) > 0  # a prompt keeps the training capacity
 
 
 def test_model_decode_with_routed_experts_equals_the_training_backend():

@@ -25,6 +25,9 @@ keyed by ``model.moe.decode_impl``:
   'pallas'    `pallas_kernels.moe_decode.routed_glu`: each route reads its expert's weights once
               (widths that are not powers of two take 'gather'; interpreted off the GPU).
 'auto' is 'pallas' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
+A decoding call with N k >= E routes (e.g. verifying a speculative draft) runs the training backend;
+with at most `DROPLESS_DECODE_TOKENS` tokens the 'capacity' backend then gets C >= N rows per expert, so
+it drops nothing (top-k experts are distinct, so no expert gets more than N routes).
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ class RouterBias(nnx.Variable):
 
 
 EXPERT_BACKENDS = Table("model.moe.expert_impl", default="ragged", auto={"gpu": "capacity"})
+
+# A decoding call of at most this many tokens N runs 'capacity' dropless (C = N rows per expert). Its
+# [E, N, W] x [E, W, F] matmuls do N FLOPs per weight byte, below the bf16 FLOP/byte ridge of current
+# accelerators (about 200-300: H100, H200, TPU v5), so they cost about the one read of every expert's
+# weights that the capacity pass makes anyway. Longer calls (prompts) keep the training capacity.
+DROPLESS_DECODE_TOKENS = 128
 
 
 @EXPERT_BACKENDS.register("ragged")
@@ -262,7 +271,7 @@ class MoE(nnx.Module):
                     dropped = jnp.zeros((), jnp.int32)
                 else:
                     out_NkL, dropped = self.experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas,
-                                                    self.expert_capacity)
+                                                    self.capacity(idx.shape[0], decode))
             stats["dropped"] = dropped.astype(jnp.float32)
             y = combine_routes(out_NkL, weights)
         y = y.astype(self.dtype)
@@ -271,6 +280,14 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y.reshape(B, T, D), stats
+
+    def capacity(self, n_tokens: int, decode: bool) -> float:
+        """The 'capacity' backend's factor for a call of ``n_tokens``: the configured one, or for a
+        decoding call of at most `DROPLESS_DECODE_TOKENS` tokens one whose C (`expert_capacity`) is at
+        least ``n_tokens``, the most routes one expert can get."""
+        if decode and n_tokens <= DROPLESS_DECODE_TOKENS:
+            return max(self.expert_capacity, self.n_experts / self.top_k)
+        return self.expert_capacity
 
     def _routed_sharded(self, h_NW, idx_Nk, weights_Nk, scores_NE, alpha_N, bt, w_gate, w_up, w_down):
         """Expert-parallel routed experts on the mesh; statistics summed over the devices."""
