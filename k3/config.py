@@ -101,7 +101,8 @@ def default_config() -> ConfigDict:
     e.expert_capacity = 1.25  # 'capacity': rows per expert / (N k / E); routes past it are dropped
     e.decode_impl = "auto"  # k3.moe.DECODE_EXPERTS, decoding with fewer routes than experts: 'auto'
     # ('pallas' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
-    # (each route reads its expert's weights in place; pallas_kernels.moe_decode)
+    # (each route reads its expert's weights in place; pallas_kernels.moe_decode), 'grouped' (routes grouped
+    # by expert, each expert read once for all its routes)
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'

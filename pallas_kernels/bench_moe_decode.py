@@ -5,8 +5,9 @@ experts (`k3.moe.layer.gathered_experts`), side by side, as fractions of HBM ban
 
 Shape NxKxExDxF: N tokens, top-K routes each (distinct experts per token, drawn at random), E experts
 of width D and hidden F (K3's served d_model 1024 model: 64 experts, top 4, latent 512, hidden 1024).
-Variants: block_in:block_out:warps:stages[:d] (`routed_glu`'s tile rows, tile columns, Triton warps and
-pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``). bf16 weights and
+Variants: block_in:block_out:warps:stages[:d|:g] (`routed_glu`'s tile rows, tile columns, Triton warps and
+pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g: `grouped_glu`, the
+routes grouped by expert, with these tiles). bf16 weights and
 inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back
 (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move at least (each distinct routed
 expert's three matrices once, plus x and y), that over the time as a fraction of the device's HBM
@@ -29,7 +30,7 @@ from k3.ffn import glu_parts_output
 from k3.hardware import device_hbm_bandwidth
 from k3.moe.layer import gathered_experts
 from pallas_kernels.common import pipelined_seconds
-from pallas_kernels.moe_decode import routed_glu
+from pallas_kernels.moe_decode import grouped_glu, routed_glu
 
 BETAS = (4.0, 25.0)
 
@@ -56,20 +57,23 @@ def bench(shape, variants, iters):
     impls = [("gather", "", gather)]
     for v in variants:
         parts = v.split(":")
-        defer = len(parts) == 5 and parts[4] == "d"
+        flag = parts[4] if len(parts) == 5 else ""
         try:
-            if len(parts) not in (4, 5) or (len(parts) == 5 and not defer):
+            if len(parts) not in (4, 5) or flag not in ("", "d", "g"):
                 raise ValueError
             b_in, b_out, warps, stages = (int(p) for p in parts[:4])
         except ValueError:
-            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages[:d]; got {v!r}") from None
+            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages[:d|:g]; got {v!r}") from None
+        tiles = dict(block_in=b_in, block_out=b_out, num_warps=warps, num_stages=stages)
 
-        def run(x, i, a, b, c, b_in=b_in, b_out=b_out, warps=warps, stages=stages, defer=defer):
-            y = routed_glu(jnp.repeat(x, K, axis=0), i.reshape(-1), a, b, c, act=act, block_in=b_in,
-                           block_out=b_out, num_warps=warps, num_stages=stages, defer_sum=defer)
+        def run(x, i, a, b, c, tiles=tiles, defer=flag == "d"):
+            y = routed_glu(jnp.repeat(x, K, axis=0), i.reshape(-1), a, b, c, act=act, defer_sum=defer, **tiles)
             return y.reshape(N, K, -1)
 
-        impls.append(("pallas", v, jax.jit(run)))
+        def run_grouped(x, i, a, b, c, tiles=tiles):
+            return grouped_glu(x, i, a, b, c, act=act, **tiles)
+
+        impls.append(("grouped", v, jax.jit(run_grouped)) if flag == "g" else ("pallas", v, jax.jit(run)))
     args = (x, idx, wg, wu, wd)
     ref = np.asarray(gather(*args), np.float32)
     rows = []
@@ -87,9 +91,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8x4x64x512x1024", help="NxKxExDxF")
-    ap.add_argument("--variants", default="64:128:4:3,64:128:4:3:d,32:64:4:3,32:64:4:3:d,64:64:4:3,128:128:8:3,"
-                    "64:256:8:4,32:128:4:4,32:128:4:4:d,16:64:2:3",
-                    help="block_in:block_out:warps:stages[:d], comma-separated")
+    ap.add_argument("--variants", default="64:128:4:3,128:128:8:3,64:64:4:3,128:128:8:3:g,64:128:8:3:g,"
+                    "128:64:4:3:g,64:256:8:3:g,128:128:4:2:g,32:128:4:4:g",
+                    help="block_in:block_out:warps:stages[:d|:g], comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)

@@ -24,6 +24,12 @@ Design (Pallas Triton). Each route is a matrix-vector product, so there is nothi
   Products and sums are fp32 elementwise (a broadcast multiply and a column sum). Every weight byte
   a route needs is read once per route; routes sharing an expert read it again (mostly from L2).
   D and F must be powers of two >= 16 (block loads); `routed_glu_supported` says whether they are.
+
+`grouped_glu` reads each routed expert once for all its routes. Its programs run per (expert, column
+block) over every token at once: a [M, block_in] x [block_in, block_out] tensor-core dot per weight tile
+(M = the tokens padded to a power of two >= 16), so a program's work is loads, not cross-thread row
+sums; an expert no route uses loads nothing. Each route then reads its (expert, token) row. The extra
+rows cost tensor-core time only, which a decode step has to spare; there is no sort and nothing drops.
 The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -36,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, pow2_from_16, triton_params
+from pallas_kernels.common import default_interpret, pow2_at_least_16, pow2_from_16, tile_dot, triton_params
 
 
 def routed_glu_supported(D: int, F: int) -> bool:
@@ -129,3 +135,82 @@ def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_i
         out_shape=jax.ShapeDtypeStruct((R, D), x_RD.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_down",
     )(expert, h, w_down_EFD)
+
+
+
+def _grouped_gate_up_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
+    M, bf = h_ref.shape
+
+    @pl.when(used_ref[pl.program_id(0)] != 0)
+    def _():
+        def step(i, acc):
+            rows = pl.ds(i * block_d, block_d)
+            x = x_ref[:, rows]
+            return (acc[0] + tile_dot(x, wg_ref[rows, :], ((1,), (0,)), exact),
+                    acc[1] + tile_dot(x, wu_ref[rows, :], ((1,), (0,)), exact))
+
+        zero = jnp.zeros((M, bf), jnp.float32)
+        g, u = lax.fori_loop(0, D // block_d, step, (zero, zero))
+        h_ref[...] = act(g, u).astype(h_ref.dtype)
+
+
+def _grouped_down_kernel(used_ref, h_ref, wd_ref, y_ref, *, block_f, F, exact):
+    M, bd = y_ref.shape
+
+    @pl.when(used_ref[pl.program_id(0)] != 0)
+    def _():
+        def step(i, acc):
+            rows = pl.ds(i * block_f, block_f)
+            return acc + tile_dot(h_ref[:, rows], wd_ref[rows, :], ((1,), (0,)), exact)
+
+        y_ref[...] = lax.fori_loop(0, F // block_f, step, jnp.zeros((M, bd), jnp.float32)).astype(y_ref.dtype)
+
+
+def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
+                block_out: int = 128, num_warps: int = 8, num_stages: int = 3, interpret: bool | None = None):
+    """y [N, k, D] (x's dtype): token n's gated FFN through expert idx[n, j], each routed expert's weights
+    read once for all its routes (see the module docstring).
+
+    x: [N, D]; idx: [N, k] int in [0, E); w_gate, w_up: [E, D, F]; w_down: [E, F, D]; act: (gate, up) fp32
+    [..., n] -> [..., n], elementwise; block_in / block_out: a weight tile's rows (the reduction step) and
+    columns (one program's outputs); block_in 0: 128 for up to 16 tokens, else 64, so that the pipeline's
+    tiles (M x block_in tokens and two block_in x block_out weight tiles per stage) stay inside Hopper's
+    227 KiB of shared memory (128 at M = 64 would need 240 KiB with 3 stages, `compile_report`)."""
+    N, D = x_ND.shape
+    E, _, F = w_gate_EDF.shape
+    if (idx_Nk.ndim != 2 or idx_Nk.shape[0] != N or w_up_EDF.shape != (E, D, F)
+            or w_down_EFD.shape != (E, F, D)):
+        raise ValueError(f"grouped_glu: shapes x {x_ND.shape}, idx {idx_Nk.shape}, w_gate {w_gate_EDF.shape}, "
+                         f"w_up {w_up_EDF.shape}, w_down {w_down_EFD.shape} do not match")
+    if not routed_glu_supported(D, F):
+        raise ValueError(f"grouped_glu: D = {D} and F = {F} must be powers of two >= 16")
+    interpret = default_interpret() if interpret is None else interpret
+    M = pow2_at_least_16(N)
+    x_MD = jnp.pad(x_ND, ((0, M - N), (0, 0)))
+    used_E = jnp.zeros((pow2_at_least_16(E),), jnp.int32).at[idx_Nk.reshape(-1)].set(1)
+    exact = jnp.dtype(x_ND.dtype) == jnp.float32
+    block_in = block_in or (128 if M <= 16 else 64)
+    bf, bd_in = min(block_out, F), min(block_in, D)
+    bd, bf_in = min(block_out, D), min(block_in, F)
+    used_spec = pl.BlockSpec(used_E.shape, lambda e, j: (0,))
+    h = pl.pallas_call(
+        functools.partial(_grouped_gate_up_kernel, act=act, block_d=bd_in, D=D, exact=exact),
+        grid=(E, F // bf),
+        in_specs=[used_spec, pl.BlockSpec((M, D), lambda e, j: (0, 0)),
+                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
+                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j))],
+        out_specs=pl.BlockSpec((None, M, bf), lambda e, j: (e, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((E, M, F), x_ND.dtype), interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_gate_up",
+    )(used_E, x_MD, w_gate_EDF, w_up_EDF)
+    y = pl.pallas_call(
+        functools.partial(_grouped_down_kernel, block_f=bf_in, F=F, exact=exact),
+        grid=(E, D // bd),
+        in_specs=[used_spec, pl.BlockSpec((None, M, F), lambda e, j: (e, 0, 0)),
+                  pl.BlockSpec((None, F, bd), lambda e, j: (e, 0, j))],
+        out_specs=pl.BlockSpec((None, M, bd), lambda e, j: (e, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((E, M, D), x_ND.dtype), interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_down",
+    )(used_E, h, w_down_EFD)
+    # Rows of experts no token uses are never written; each route reads its own (expert, token) row.
+    return y[idx_Nk, jnp.arange(N)[:, None]]

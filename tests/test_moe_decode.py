@@ -15,8 +15,8 @@ from k3 import decode
 from k3.ffn import glu_parts_output
 from k3.model import Model
 from k3.moe.layer import (DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts, gathered_experts,
-                          pallas_routed_experts)
-from pallas_kernels.moe_decode import routed_glu
+                          grouped_routed_experts, pallas_routed_experts)
+from pallas_kernels.moe_decode import grouped_glu, routed_glu
 
 BETAS = (4.0, 25.0)
 
@@ -60,6 +60,38 @@ def test_routed_glu_kernel_against_float64(R, E, D, F, block_in, block_out, kind
     assert np.abs(np.asarray(got16, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
 
 
+def _distinct_routes(rng, N, k, E, skew):
+    """[N, k] expert ids, distinct per token; with ``skew`` every token picks experts 0..k-1."""
+    if skew:
+        return np.tile(np.arange(k), (N, 1))
+    return np.argsort(rng.uniform(size=(N, E)), axis=1)[:, :k]
+
+
+@pytest.mark.parametrize("N,k,E,D,F,block_in,block_out,skew", [
+    (1, 1, 3, 16, 16, 0, 128, False),      # one token, one route
+    (3, 2, 8, 32, 64, 16, 32, False),       # N k < E
+    (9, 4, 8, 64, 16, 32, 16, False),       # N k >= E
+    (20, 3, 5, 16, 32, 0, 128, True),       # every token on the same experts; N > 16 (M = 32)
+])
+@pytest.mark.parametrize("kind", ["situ", "swiglu"])
+def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, skew, kind, x64):
+    rng = np.random.default_rng(N * 100 + E)
+    x = rng.normal(size=(N, D))
+    idx = _distinct_routes(rng, N, k, E, skew)
+    wg, wu, wd = _weights(rng, E, D, F)
+    act = functools.partial(glu_parts_output, kind=kind, beta_gate=BETAS[0], beta_up=BETAS[1])
+    want = _loop64(np.repeat(x, k, axis=0), idx.reshape(-1), wg, wu, wd, kind).reshape(N, k, D)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = grouped_glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
+                      block_out=block_out)
+    assert got.shape == (N, k, D) and got.dtype == jnp.float32
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    got16 = grouped_glu(bf(x), jnp.asarray(idx), bf(wg), bf(wu), bf(wd), act=act)
+    assert got16.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(got16, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
+
+
 def test_routed_glu_rejects_bad_shapes():
     act = functools.partial(glu_parts_output, kind="swiglu", beta_gate=4.0, beta_up=25.0)
     w = jnp.zeros((3, 24, 16))
@@ -69,6 +101,13 @@ def test_routed_glu_rejects_bad_shapes():
     with pytest.raises(ValueError, match="do not match"):
         routed_glu(jnp.zeros((2, 16)), jnp.zeros((3,), jnp.int32), jnp.zeros((3, 16, 16)), jnp.zeros((3, 16, 16)),
                    jnp.zeros((3, 16, 16)), act=act, interpret=True)
+    w16 = jnp.zeros((3, 16, 16))
+    with pytest.raises(ValueError, match="powers of two"):
+        grouped_glu(jnp.zeros((2, 24)), jnp.zeros((2, 1), jnp.int32), w, w, jnp.zeros((3, 16, 24)), act=act)
+    with pytest.raises(ValueError, match="do not match"):  # idx for another number of tokens
+        grouped_glu(jnp.zeros((2, 16)), jnp.zeros((3, 1), jnp.int32), w16, w16, w16, act=act)
+    with pytest.raises(ValueError, match="do not match"):
+        grouped_glu(jnp.zeros((2, 16)), jnp.zeros((2, 1), jnp.int32), w16, w16, jnp.zeros((3, 32, 16)), act=act)
 
 
 @pytest.mark.parametrize("D", [32, 24])  # 24: not a power of two, the Pallas entry takes the gather form
@@ -82,12 +121,12 @@ def test_decode_backends_equal_the_dense_reference(D):
     # kernel's exact fp32 sums on an H100), which would measure the reference, not the backends.
     with jax.default_matmul_precision("float32"):
         ref, _ = dense_experts(x, idx, *ws, "situ", BETAS)
-        for fn in (gathered_experts, pallas_routed_experts):
+        for fn in (gathered_experts, pallas_routed_experts, grouped_routed_experts):
             np.testing.assert_allclose(fn(x, idx, *ws, "situ", BETAS), ref, rtol=2e-5, atol=2e-5)
     assert DECODE_EXPERTS.resolve("auto", "gpu") == "pallas" and DECODE_EXPERTS.resolve("auto", "cpu") == "train"
 
 
-@pytest.mark.parametrize("impl", ["gather", "pallas"])
+@pytest.mark.parametrize("impl", ["gather", "pallas", "grouped"])
 def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
     cfg = tiny_model_cfg(**{"moe.decode_impl": impl})
     moe = MoE(cfg, rngs=nnx.Rngs(0))
@@ -142,5 +181,5 @@ def test_model_decode_with_routed_experts_equals_the_training_backend():
         return np.asarray(jnp.concatenate(out, axis=1))
 
     want = run("train")
-    for impl in ("gather", "pallas"):
+    for impl in ("gather", "pallas", "grouped"):
         np.testing.assert_allclose(run(impl), want, rtol=1e-4, atol=1e-4)

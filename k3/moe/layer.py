@@ -23,7 +23,9 @@ keyed by ``model.moe.decode_impl``:
   'gather'    each route's expert weights gathered by XLA, then per-route matrix-vector products
               (the portable form; XLA writes the gathered weights and reads them again);
   'pallas'    `pallas_kernels.moe_decode.routed_glu`: each route reads its expert's weights once
-              (widths that are not powers of two take 'gather'; interpreted off the GPU).
+              (widths that are not powers of two take 'gather'; interpreted off the GPU);
+  'grouped'   `pallas_kernels.moe_decode.grouped_glu`: routes grouped by expert, each routed expert's
+              weights read once for all its routes, as tensor-core tile products (same fallbacks).
 'auto' is 'pallas' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
 A decoding call with N k >= E routes (e.g. verifying a speculative draft) runs the training backend;
 with at most `DROPLESS_DECODE_TOKENS` tokens the 'capacity' backend then gets C >= N rows per expert, so
@@ -203,6 +205,19 @@ def pallas_routed_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activa
     act = functools.partial(glu_parts_output, kind=activation, beta_gate=betas[0], beta_up=betas[1])
     y = routed_glu(jnp.repeat(x_ND, k, axis=0), idx_Nk.reshape(-1), w_gate_EDF, w_up_EDF, w_down_EFD, act=act)
     return y.reshape(N, k, -1)
+
+
+@DECODE_EXPERTS.register("grouped")
+def grouped_routed_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+    """`gathered_experts` as `pallas_kernels.moe_decode.grouped_glu` (each routed expert's weights read
+    once for all its routes); widths that are not powers of two >= 16 take `gathered_experts`."""
+    from pallas_kernels.moe_decode import grouped_glu, routed_glu_supported
+
+    _, D, F = w_gate_EDF.shape
+    if not routed_glu_supported(D, F):
+        return gathered_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas)
+    act = functools.partial(glu_parts_output, kind=activation, beta_gate=betas[0], beta_up=betas[1])
+    return grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, act=act)
 
 
 class MoE(nnx.Module):
