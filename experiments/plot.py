@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on the training hosts
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, NullFormatter  # noqa: E402
 
 from experiments.fit import (CONVENTIONS, FitError, arm_points, bootstrap_multiplier, check_arms,  # noqa: E402
                              fit_power_law, has_finite_loss, is_default_lr, is_seed0, load_points,
@@ -35,10 +35,11 @@ from experiments.fit import (CONVENTIONS, FitError, arm_points, bootstrap_multip
 _DPI = 130
 
 
-def _plain_ticks(axis) -> None:
-    """Tick labels as plain numbers (3.5, not 3.5 x 10^0) on a log axis spanning less than a decade."""
+def _plain_ticks(axis, minor: bool = True) -> None:
+    """Tick labels as plain numbers (3.5, not 3.5 x 10^0) on a log axis; ``minor``: label the minor ticks
+    too (for an axis spanning less than a decade; over more their labels run into each other)."""
     axis.set_major_formatter(FormatStrFormatter("%g"))
-    axis.set_minor_formatter(FormatStrFormatter("%g"))
+    axis.set_minor_formatter(FormatStrFormatter("%g") if minor else NullFormatter())
 
 
 def _colors(names: Sequence[str]) -> dict:
@@ -143,7 +144,8 @@ def plot_lr_sweep(records: Sequence[dict], path: str) -> str | None:
         ax.plot(lr, [by_lr[x] for x in lr], "-", marker=markers[sizes.index(size) % len(markers)],
                 color=colors[arm], label=f"{arm} {size}")
     ax.set_xscale("log")
-    _plain_ticks(ax.xaxis)
+    lo, hi = ax.get_xlim()
+    _plain_ticks(ax.xaxis, minor=hi / lo < 10)
     ax.set_xlabel("peak learning rate" if absolute else "learning-rate multiplier")
     ax.set_ylabel("final validation loss [nats/token]")
     ax.set_title("Learning-rate sweep (seed 0)")
