@@ -279,7 +279,7 @@ def main(argv=None):
     p.add_argument("--speculative", type=int, default=0,
                    help="K > 0: also time prompt-lookup speculative decoding with K-token drafts")
     p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")
-    p.add_argument("--moe_decode", default="auto", help="model.moe.decode_impl: 'auto', 'train', 'gather' or 'pallas'")
+    p.add_argument("--moe_decode", default="auto", help="model.moe.decode_impl: 'auto', 'train', 'gather', 'pallas' or 'grouped'")
     p.add_argument("--kda_decode", default="auto", help="model.kda.decode_impl: 'auto', 'xla' or 'pallas'")
     p.add_argument("--loop", default="scan", choices=("scan", "host"),
                    help="the steps as one scan in one jitted call, or a Python loop over a jitted step")
