@@ -409,6 +409,13 @@ def print_report(row: dict, top: int) -> None:
               f"{k['floor_ms'] * k['calls']:.3f} |")
 
 
+def write_hlo(directory: str, tag: str, hlo: str) -> None:
+    """Writes a compiled module's HLO text to DIRECTORY/TAG.hlo (for `--analyse`)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{tag}.hlo"), "w") as fh:
+        fh.write(hlo)
+
+
 def ladder_floors(a, t: dict) -> list[dict]:
     """One row per (arm, size) of a ladder's planned runs: memory, kernels per step, the step's floor,
     and the summed floor of the planned runs at that size (steps x floor; branches not included)."""
@@ -432,8 +439,10 @@ def ladder_floors(a, t: dict) -> list[dict]:
           "|---|---|---|---|---|---|---|---|")
     for (arm, size), group in by_shape.items():
         compiled, seconds = compile_step(cfgs[arm, size], device, pop)
-        floors = kernel_floors(compiled.as_text(), hbm_bytes_per_s=t["hbm_bytes_per_s"],
-                               peak_flops=t["peak_bf16_flops"])
+        hlo = compiled.as_text()
+        if a.hlo_dir:
+            write_hlo(a.hlo_dir, f"ladder_{arm}_{size}_pop{pop}", hlo)
+        floors = kernel_floors(hlo, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
         step_ms = sum(c["floor_ms"] for c in floors["categories"].values())
         steps = sum(r["steps"] for r in group) / pop  # a population's step advances pop runs
         row = dict(arm=arm, size=size, runs=len(group), population=pop, steps=steps, compile_s=seconds,
@@ -538,9 +547,7 @@ def main(argv=None):
                 tag = f"{style}_{d}_{layers}_b{batch}"
             hlo = compiled.as_text()
             if a.hlo_dir:
-                os.makedirs(a.hlo_dir, exist_ok=True)
-                with open(os.path.join(a.hlo_dir, f"{tag}.hlo"), "w") as fh:
-                    fh.write(hlo)
+                write_hlo(a.hlo_dir, tag, hlo)
             floors = kernel_floors(hlo, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
             row = dict(model=spec + (" decode" if a.decode else ""), target=a.target,
                        target_gib=t["memory_bytes"] / 2 ** 30, seq_len=length, batch=batch,
