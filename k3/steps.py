@@ -273,7 +273,7 @@ def make_run(cfg) -> tuple[Run, dict]:
             grads = jax.tree.map(lambda g: g / accum, grad_sum)
         stats = _combine_stats(aux_A["layer_stats"], cfg.model.moe.balancing)
         loads = jnp.sum(aux_A["expert_load"], axis=0)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optim.global_norm(grads)  # the clip's own norm: XLA computes it once
         with jax.named_scope("optimizer"):
             updates, opt = tx.update(grads, state["opt"], params)
             if external_lr:

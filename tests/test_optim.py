@@ -494,3 +494,27 @@ def test_bench_optimizer_counts_newton_schulz_flops_and_times_the_impls():
         assert row["ms"] > 0 and row["ns_tflop"] > 0 and row["bytes_gb"] > 0
     assert rows[0]["ns_tflop"] == rows[1]["ns_tflop"] == rows[2]["ns_tflop"]
     assert rows[1]["dots"] < rows[0]["dots"]  # K3's same-shape matrices share their chains
+
+
+def test_global_norm_groups_leaves_and_equals_the_float64_norm(x64):
+    """`optim.global_norm` over repeated shapes, mixed dtypes, a lone shape and a leaf past the grouping
+    limit equals the float64 norm of everything; the clip built on it scales like optax's clip and keeps
+    its (empty) state."""
+    rng = np.random.default_rng(0)
+    big = (muon_lib.GROUP_MAX_ELEMS // 1000 + 1, 1000)
+    tree = {"a": [rng.normal(size=(5, 3)) for _ in range(4)], "b": rng.normal(size=(7,)),
+            "c": [rng.normal(size=big) * 1e-3 for _ in range(2)], "s": rng.normal(size=())}
+    leaves = jax.tree.leaves(tree)
+    want = math.sqrt(sum(float(np.sum(np.square(x))) for x in leaves))
+    as_f32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+    tree["a"][1] = jnp.asarray(tree["a"][1], jnp.bfloat16)  # a dtype group of its own
+    want_mixed = math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree.leaves(tree)))
+    assert float(optim.global_norm(as_f32)) == pytest.approx(want, rel=1e-6)
+    assert float(optim.global_norm(jax.tree.map(jnp.asarray, tree))) == pytest.approx(want_mixed, rel=1e-6)
+    mine, ref = optim.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+    assert jax.tree.structure(mine.init(as_f32)) == jax.tree.structure(ref.init(as_f32))
+    for max_norm in (0.5 * want, 2.0 * want):  # clipped, then left alone
+        got, _ = optim.clip_by_global_norm(max_norm).update(as_f32, mine.init(as_f32))
+        exp, _ = optax.clip_by_global_norm(max_norm).update(as_f32, ref.init(as_f32))
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(exp)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6, atol=0)
