@@ -1,5 +1,5 @@
-"""Decode's routed experts: `pallas_kernels.moe_decode.routed_glu` tile variants against XLA's gathered
-experts (`k3.moe.layer.gathered_experts`), side by side, as fractions of HBM bandwidth.
+"""Decode's routed experts: `pallas_kernels.moe_decode.routed_glu` and `grouped_glu` tile variants against
+XLA's gathered experts (`k3.moe.layer.gathered_experts`), side by side, as fractions of HBM bandwidth.
 
     python -m pallas_kernels.bench_moe_decode --shape=8x4x64x512x1024 --variants=64:128:4:3,32:64:4:3 --json=out.json
 

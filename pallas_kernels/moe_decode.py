@@ -137,7 +137,6 @@ def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_i
     )(expert, h, w_down_EFD)
 
 
-
 def _grouped_gate_up_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
     M, bf = h_ref.shape
 
