@@ -514,7 +514,9 @@ def test_single_epoch_bpe_ladder_spans_the_planned_compute():
     lad = rl.load_ladder("experiments/configs/ladder_1e16.py")
     assert lad.max_epochs == 1.0 and lad.data.tokenizer == "bpe" and 16384 <= lad.data.vocab_size <= 32768
     runs = rl.plan_runs(lad)
-    main = [r for r in runs if r["run_id"].endswith("-s0-lr1") and r["branches"]]
+    # the main runs: seed 0, x1, with cooldown branches (K2 and K3 at their own fitted rule, `lr_rules`)
+    main = [r for r in runs if r["seed"] == 0 and r["lr_mult"] == 1 and r["branches"] and not r["repeat"]]
+    assert {r["lr_rule"] for r in main if r["arm"] in ("k2", "k3")} == {"own"}
     for arm in ("k2", "k3"):
         rs = [r for r in main if r["arm"] == arm]
         C = [6 * r["counts"]["non_embedding_active_params"] * r["tokens"] for r in rs]
