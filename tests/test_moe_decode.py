@@ -153,6 +153,7 @@ def test_decode_with_many_routes_is_dropless_under_capacity():
     moe.router_bias[...] = jnp.zeros((E,), jnp.float32).at[:k].set(10.0)  # every token to experts 0..k-1
     n = max(E, 33)  # N k >= E, and N past the configured capacity's rows
     x = jax.random.normal(jax.random.key(6), (1, n, cfg.d_model))
+    capacity_experts = moe.experts
     y_dec, st_dec = moe(x, decode=True)
     y_train, st_train = moe(x)
     assert float(st_dec["dropped"]) == 0 and float(st_train["dropped"]) > 0
@@ -161,14 +162,14 @@ def test_decode_with_many_routes_is_dropless_under_capacity():
     scale = float(np.abs(np.asarray(y_ref)).max())
     np.testing.assert_allclose(y_dec, y_ref, rtol=1e-4, atol=1e-4 * scale)
     assert np.abs(np.asarray(y_train) - np.asarray(y_ref)).max() > 0.1 * scale
-    moe.experts = MoE(cfg, rngs=nnx.Rngs(5)).experts
+    moe.experts = capacity_experts
     longer = jax.random.normal(jax.random.key(7), (1, DROPLESS_DECODE_TOKENS + 1, cfg.d_model))
     assert float(moe(longer, decode=True)[1]["dropped"]) > 0  # a prompt keeps the training capacity
 
 
 def test_model_decode_with_routed_experts_equals_the_training_backend():
-    """Greedy token-by-token decoding of a tiny K3 (latent MoE, SiTU) with 'pallas' and 'gather'
-    routed experts gives the logits of the training backend ('train')."""
+    """Greedy token-by-token decoding of a tiny K3 (latent MoE, SiTU) with 'gather', 'pallas' and
+    'grouped' routed experts gives the logits of the training backend ('train')."""
     def run(impl):
         model = Model(tiny_model_cfg(n_layers=5, first_k_dense=1, **{"moe.decode_impl": impl}), rngs=nnx.Rngs(3))
         ext = jax.jit(lambda t, c: decode.extend(model, t, c))

@@ -501,7 +501,7 @@ def test_global_norm_groups_leaves_and_equals_the_float64_norm(x64):
     limit equals the float64 norm of everything; the clip built on it scales like optax's clip and keeps
     its (empty) state."""
     rng = np.random.default_rng(0)
-    big = (muon_lib.GROUP_MAX_ELEMS // 1000 + 1, 1000)
+    big = (muon_lib.GROUP_MAX_ELEMS // 1000 + 1, 1000)  # past the grouping bound
     tree = {"a": [rng.normal(size=(5, 3)) for _ in range(4)], "b": rng.normal(size=(7,)),
             "c": [rng.normal(size=big) * 1e-3 for _ in range(2)], "s": rng.normal(size=())}
     leaves = jax.tree.leaves(tree)
