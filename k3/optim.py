@@ -62,9 +62,10 @@ def global_norm(tree) -> jax.Array:
     """The L2 norm of all of ``tree``'s leaves together (fp32 scalar), as ``optax.tree.norm``.
 
     Leaves of one shape and dtype, each of at most `muon_lib.GROUP_MAX_ELEMS` elements (the bound
-    `muon_lib.newton_schulz_grouped` groups by), are stacked and reduced together: a model's layers repeat their shapes, and a reduction per leaf is an XLA kernel
-    per leaf (238 of them in the ladder's K3 256x10 step, compiled for the GPU). Larger leaves keep a
-    reduction of their own. Same value up to the order of the fp32 sums."""
+    `muon_lib.newton_schulz_grouped` groups by), are stacked and reduced together: a model's layers
+    repeat their shapes, and a reduction per leaf is an XLA kernel per leaf (238 of them in the
+    ladder's K3 256x10 step, compiled for the GPU). Larger leaves keep a reduction of their own. Same
+    value up to the order of the fp32 sums."""
     groups: dict = {}
     for x in jax.tree.leaves(tree):
         key = (x.shape, jnp.dtype(x.dtype)) if x.size <= muon_lib.GROUP_MAX_ELEMS else id(x)
