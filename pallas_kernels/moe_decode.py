@@ -137,10 +137,15 @@ def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_i
     )(expert, h, w_down_EFD)
 
 
-def _grouped_gate_up_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
+def _routed_to(idx_ref):
+    """Whether any route goes to this program's expert (idx: every route's expert id, -1 padding)."""
+    return jnp.sum((idx_ref[...] == pl.program_id(0)).astype(jnp.int32)) > 0
+
+
+def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
     M, bf = h_ref.shape
 
-    @pl.when(used_ref[pl.program_id(0)] != 0)
+    @pl.when(_routed_to(idx_ref))
     def _():
         def step(i, acc):
             rows = pl.ds(i * block_d, block_d)
@@ -153,10 +158,10 @@ def _grouped_gate_up_kernel(used_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, bloc
         h_ref[...] = act(g, u).astype(h_ref.dtype)
 
 
-def _grouped_down_kernel(used_ref, h_ref, wd_ref, y_ref, *, block_f, F, exact):
+def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, exact):
     M, bd = y_ref.shape
 
-    @pl.when(used_ref[pl.program_id(0)] != 0)
+    @pl.when(_routed_to(idx_ref))
     def _():
         def step(i, acc):
             rows = pl.ds(i * block_f, block_f)
@@ -186,30 +191,34 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     interpret = default_interpret() if interpret is None else interpret
     M = pow2_at_least_16(N)
     x_MD = jnp.pad(x_ND, ((0, M - N), (0, 0)))
-    used_E = jnp.zeros((pow2_at_least_16(E),), jnp.int32).at[idx_Nk.reshape(-1)].set(1)
+    # Each program finds out from the route list whether its expert is used: a marks array built by XLA
+    # would be a scatter kernel of its own per layer.
+    flat = idx_Nk.reshape(-1).astype(jnp.int32)
+    routes = pow2_at_least_16(flat.shape[0])
+    idx_R = jnp.pad(flat, (0, routes - flat.shape[0]), constant_values=-1)
     exact = jnp.dtype(x_ND.dtype) == jnp.float32
     block_in = block_in or (128 if M <= 16 else 64)
     bf, bd_in = min(block_out, F), min(block_in, D)
     bd, bf_in = min(block_out, D), min(block_in, F)
-    used_spec = pl.BlockSpec(used_E.shape, lambda e, j: (0,))
+    routes_spec = pl.BlockSpec((routes,), lambda e, j: (0,))
     h = pl.pallas_call(
         functools.partial(_grouped_gate_up_kernel, act=act, block_d=bd_in, D=D, exact=exact),
         grid=(E, F // bf),
-        in_specs=[used_spec, pl.BlockSpec((M, D), lambda e, j: (0, 0)),
+        in_specs=[routes_spec, pl.BlockSpec((M, D), lambda e, j: (0, 0)),
                   pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
                   pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j))],
         out_specs=pl.BlockSpec((None, M, bf), lambda e, j: (e, 0, j)),
         out_shape=jax.ShapeDtypeStruct((E, M, F), x_ND.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_gate_up",
-    )(used_E, x_MD, w_gate_EDF, w_up_EDF)
+    )(idx_R, x_MD, w_gate_EDF, w_up_EDF)
     y = pl.pallas_call(
         functools.partial(_grouped_down_kernel, block_f=bf_in, F=F, exact=exact),
         grid=(E, D // bd),
-        in_specs=[used_spec, pl.BlockSpec((None, M, F), lambda e, j: (e, 0, 0)),
+        in_specs=[routes_spec, pl.BlockSpec((None, M, F), lambda e, j: (e, 0, 0)),
                   pl.BlockSpec((None, F, bd), lambda e, j: (e, 0, j))],
         out_specs=pl.BlockSpec((None, M, bd), lambda e, j: (e, 0, j)),
         out_shape=jax.ShapeDtypeStruct((E, M, D), x_ND.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_down",
-    )(used_E, h, w_down_EFD)
+    )(idx_R, h, w_down_EFD)
     # Rows of experts no token uses are never written; each route reads its own (expert, token) row.
     return y[idx_Nk, jnp.arange(N)[:, None]]
