@@ -17,7 +17,8 @@ time, device and the config hash.
 
 The plan's table estimates each run's training time from the FLOP/s its arm reached in recorded
 points (``--speeds_from``, default ``--out``) on a device kind (``--estimate_on``, default this
-process's), so a GPU ladder can be sized from a CPU.
+process's), so a GPU ladder can be sized from a CPU. An arm with no recorded speed is estimated at the
+slowest recorded arm's (marked ``~``) until its first run in the process measures its own.
 
 Resumable: a point already in ``DIR/points*.jsonl`` is not recomputed; a run killed midway
 restarts from its last checkpoint (``DIR/runs/<run_id>/checkpoints``; deleted once the run's points
@@ -384,6 +385,16 @@ def recorded_speeds(out: Path, device_kind: str, population: bool = False) -> di
         if rec["flops_full"] >= best.get(rec["arm"], (0.0, 0.0))[0]:
             best[rec["arm"]] = (rec["flops_full"], flops_per_s)
     return {arm: v for arm, (_, v) in best.items()}
+
+
+def guess_speeds(speed: dict[str, float], arms: set[str]) -> set[str]:
+    """Gives each of ``arms`` without a recorded speed the slowest recorded arm's (in place), so that a
+    deadline skips a run of a new arm that would likely not finish instead of starting it blind; the arms
+    so guessed (none when nothing is recorded)."""
+    guessed = set(arms) - set(speed) if speed else set()
+    slowest = min(speed.values(), default=0.0)
+    speed.update({arm: slowest for arm in guessed})
+    return guessed
 
 
 def run_flops(run: dict) -> float:
@@ -935,20 +946,27 @@ def main(argv=None) -> int:
     speeds_dir = Path(a.speeds_from) if a.speeds_from else out
     speed = recorded_speeds(speeds_dir, device_kind) if speeds_dir.is_dir() else {}
     pop_speed = recorded_speeds(speeds_dir, device_kind, population=True) if speeds_dir.is_dir() else {}
+    guessed = guess_speeds(speed, {r["arm"] for r in runs})
     print(f"ladder {ladder.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to train")
     print(f"{'run':<28}{'N (non-emb act)':>16}{'steps':>8}{'tokens':>13}{'6ND':>10}{'full':>10}{'lr':>9}"
           f"{'est s':>8}  points")
     for r in runs:
         n = r["counts"]["non_embedding_active_params"]
-        est = f"{run_flops(r) / speed[r['arm']]:>8.0f}" if r["arm"] in speed else f"{'-':>8}"
+        est = (f"{run_flops(r) / speed[r['arm']]:>7.0f}{'~' if r['arm'] in guessed else ' '}"
+               if r["arm"] in speed else f"{'-':>8}")
         print(f"{r['run_id']:<28}{n:>16,}{r['steps']:>8}{r['tokens']:>13,}{6 * n * r['tokens']:>10.2e}"
               f"{r['flops_per_token']['full'] * r['tokens']:>10.2e}{r['lr']:>9.2e}{est}  "
               + ",".join(("*" if (r['run_id'], x) in done else "") + x for x in point_names(r)))
-    known = [r for r in todo if r["arm"] in speed]
+    known = [r for r in todo if r["arm"] in speed and r["arm"] not in guessed]
     if known:
         print(f"estimated training time of the {len(known)} runs to train whose arm has a speed recorded on "
               f"{device_kind!r}: {sum(run_flops(r) / speed[r['arm']] for r in known):,.0f} s (compilation and "
-              f"evaluation not included; {len(todo) - len(known)} runs without an estimate)")
+              f"evaluation not included; {len(todo) - len(known)} runs of arms without one)")
+    if guessed:
+        rest = [r for r in todo if r["arm"] in guessed]
+        print(f"~ arms with no speed recorded on {device_kind!r} ({', '.join(sorted(guessed))}): estimated at the "
+              f"slowest recorded arm's speed until their first run here measures their own; their {len(rest)} runs "
+              f"to train: about {sum(run_flops(r) / speed[r['arm']] for r in rest):,.0f} s")
     if int(ladder.population) > 1:
         units = plan_units(todo, int(ladder.population), out)
         pops = [u for u in units if len(u) > 1]

@@ -267,6 +267,28 @@ def test_recorded_speed_lets_the_deadline_skip_a_run_that_would_not_finish(tmp_p
     assert "3 runs, 0 done, 3 to train" in text and "of the 3 runs to train" in text and f"{total:,.0f} s" in text
 
 
+
+def test_an_arm_without_a_recorded_speed_is_estimated_at_the_slowest_arms(tmp_path, capsys):
+    """A mechanism arm's first run in a process has no speed of its own: the deadline estimates it at the
+    slowest recorded arm's FLOP/s rather than starting it blind."""
+    speed = {"k2": 5.0, "k3": 2.0}
+    assert rl.guess_speeds(speed, {"k2", "k3", "k2+attn_res"}) == {"k2+attn_res"}
+    assert speed == {"k2": 5.0, "k3": 2.0, "k2+attn_res": 2.0}
+    empty = {}
+    assert rl.guess_speeds(empty, {"k2"}) == set() and empty == {}
+    out = tmp_path / "o"
+    out.mkdir()
+    kind = jax.devices()[0].device_kind
+    rec = dict(arm="k2", run_id="k2-x", point="final", tokens=1000, flops_full=1e9, tokens_per_s=1e-3, device=kind)
+    (out / "points_old.jsonl").write_text(json.dumps(rec) + "\n")
+    assert rl.main([f"--ladder={MICRO}", f"--out={out}", "--arms=k3", "--sizes=32x2", "--jobs=main",
+                    "--deadline_s=600"]) == 0
+    text = capsys.readouterr().out
+    assert "~ arms with no speed recorded" in text and "(k3)" in text
+    assert "deadline: k3-32x2-s0-lr1 would need about" in text and "run k3-32x2" not in text
+    assert not (out / "points.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # The run-time learning rate equals a compiled-in schedule
 
