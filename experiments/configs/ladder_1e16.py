@@ -51,10 +51,13 @@ Each command then prepares the data again: its first run starts 1.5-2 minutes in
            --arms=k2,k3 --jobs=main,shared,seeds,repeats --set=data.extra_roots=... --deadline_s=540
 
 4. Mechanism arms, at the shared rule (compare them with K2's shared-rule points: ``experiments.fit``
-   reports both):
+   reports both), with seed 1 at their two smallest sizes:
 
        python -m experiments.run_ladder --ladder=experiments/configs/ladder_1e16.py --out=OUT \\
-           --arms=k2+kda_hybrid,k2+attn_res,k2+latent_moe_qb --jobs=main --set=data.extra_roots=...
+           --arms=k2+kda_hybrid,k2+attn_res,k2+latent_moe_qb --jobs=main,seeds --set=data.extra_roots=...
+
+   These arms have no speed recorded yet: the runner estimates them at the slowest recorded arm's
+   until each arm's first run measures its own (``--dry_run``: about 680 s of training on the H100).
 """
 
 from experiments.run_ladder import default_ladder
