@@ -22,8 +22,8 @@ Kernels (Pallas Triton; N = B T tokens, fp32 math):
           dw partials [N / (block steps), D]
 
 Contract: D (the model width) is a power of two >= 16, as Triton's tiles need (`k3.attn_res`'s
-'pallas' backend sends other widths to the reference). N is padded with zero tokens to a multiple
-of block * steps.
+'pallas' backend sends other widths to the reference). Where N is not a multiple of block * steps,
+both are halved until it is (one token per program at worst), so nothing is padded or copied.
 The same source runs interpreted on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -234,13 +234,14 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
         raise ValueError(f"depth_mix_pallas: n_valid must be in [0, M = {M}]; got {n_valid}")
     interpret = default_interpret() if interpret is None else bool(interpret)
     N = B * T
-    # The backward's programs take block * steps tokens; fewer steps for short inputs (tests, decode).
-    steps = min(steps, pl.next_power_of_2(-(-N // block)))
-    Np = -(-N // (block * steps)) * block * steps
+    # Programs of fewer tokens where N is not a multiple of block * steps (a decode step of one token, an
+    # odd-length prompt): padding instead would copy the whole bank in and the mix out, three more XLA
+    # kernels per mix, which at batch 1 made a decode step 544 kernels instead of 398.
+    while block > 1 and N % block:
+        block //= 2
+    while steps > 1 and N % (block * steps):
+        steps //= 2
     cands, extra = cands_MBTD.reshape(M, N, D), extra_BTD.reshape(N, D)
-    if Np != N:  # zero tokens: finite statistics, zero gradients, sliced away
-        cands = jnp.pad(cands, ((0, 0), (0, Np - N), (0, 0)))
-        extra = jnp.pad(extra, ((0, Np - N), (0, 0)))
     if (gamma_D is None) != (norm_eps is None) or (gamma_D is not None and jnp.shape(gamma_D) != (D,)):
         raise ValueError(f"depth_mix_pallas: the norm needs both gamma [D] = {(D,)} and norm_eps; got "
                          f"{None if gamma_D is None else jnp.shape(gamma_D)} and {norm_eps}")
@@ -253,4 +254,4 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
         bwd_warps = num_warps if norm_eps is None else max(num_warps, 2)
     out = _mix(cands, extra, valid, w_D, w_gain, gamma, float(eps), None if norm_eps is None else float(norm_eps),
                n, block, steps, interpret, (num_warps, bwd_warps))
-    return out[:N].reshape(B, T, D)
+    return out.reshape(B, T, D)

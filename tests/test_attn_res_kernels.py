@@ -29,7 +29,7 @@ def _inputs(seed, M, B, T, D, dtype, scale=3.0):
     (1, 1, 1, 16, (True,), False, None),                # one token, the bank's embedding alone
     (4, 3, 8, 8, (True, True, True, True), True, None),  # blocks that divide the tokens
     (4, 2, 37, 2, (True, True, False, False), True, 2),  # the empty slots skipped by a static count
-    (3, 1, 70, 2, (True, False, False), True, 1),       # several backward steps a program
+    (3, 1, 72, 2, (True, False, False), True, 1),       # several backward steps a program
 ])
 def test_kernels_match_float64_reference(x64, M, B, T, block, valid, extra_valid, n_valid):
     """Values and the gradients of candidates, extra and w, computed in float64 in the kernels
@@ -49,7 +49,8 @@ def test_kernels_match_float64_reference(x64, M, B, T, block, valid, extra_valid
 @pytest.mark.parametrize("M,B,T,n_valid,extra_valid,steps", [
     (3, 2, 37, 2, True, 1),    # awkward token count, an empty slot skipped
     (1, 1, 1, None, False, 1),  # one token, the embedding alone
-    (4, 1, 70, 3, True, 4),    # several backward steps a program
+    (4, 1, 72, 3, True, 4),    # several backward steps a program (72 = 9 programs of 4 x 2 tokens)
+    (2, 1, 70, None, True, 4),  # 70 tokens: programs of 2 x 1 blocks instead of padding to 72
 ])
 def test_mix_with_its_norm_matches_float64_reference(x64, M, B, T, n_valid, extra_valid, steps):
     """The RMSNorm computed inside the kernels: rms_norm(mix) * gamma and the gradients of candidates,
@@ -72,6 +73,23 @@ def test_mix_with_its_norm_matches_float64_reference(x64, M, B, T, n_valid, extr
     for name, a, b in zip(("cands", "extra", "w", "gamma"), got_vjp(dout), want_vjp(dout)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
 
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (1, 37)])
+def test_token_counts_off_the_block_are_not_padded(B, T):
+    """A decode step of one token (or three rows, or an odd prompt) runs smaller programs instead of
+    copying the bank into a padded one: the traced mix, forward and backward, has no pad (all slots
+    read, so neither does the bank's gradient)."""
+    cands, extra, w = _inputs(5, 3, B, T, 16, jnp.float32)
+    valid, ev = jnp.array([True, True, False]), jnp.asarray(True)
+
+    def loss(c, e, w):
+        return jnp.sum(depth_mix_pallas(c, valid, e, ev, w, 1e-5, block=2, steps=4, interpret=True))
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(cands, extra, w))
+    assert " pad[" not in jaxpr and "pad " not in jaxpr
+    want = depth_mix_plain(cands, valid, extra, ev, w, 1e-5)
+    got = depth_mix_pallas(cands, valid, extra, ev, w, 1e-5, block=2, steps=4, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_pseudo_query_gain_formed_in_the_kernels_float64(x64, with_norm):
