@@ -169,9 +169,10 @@ def compile_step(cfg, device, population: int = 1):
 
 def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode: str = "auto",
                         moe_decode: str = "auto", kda_decode: str = "auto", sets=()):
-    """(compiled step, seconds): one greedy decode step of `experiments.bench_decode`'s served model
-    (bf16 weights, served layout `k3.model.served`, a cache holding ``context`` tokens), abstract and on ``device``;
-    ``sets``: 'model.KEY=VALUE' settings applied to its config."""
+    """(compiled step, seconds, rows): one greedy decode step of `experiments.bench_decode`'s served model
+    (bf16 weights, served layout `k3.model.served`, a cache holding ``context`` tokens), abstract and on ``device``,
+    for ``batch`` sequences in `k3.decode.decode_rows` rows, as a GPU decodes them; ``sets``: 'model.KEY=VALUE'
+    settings applied to its config."""
     from jax.sharding import SingleDeviceSharding
     from flax import nnx
 
@@ -190,16 +191,17 @@ def compile_decode_step(spec: str, context: int, batch: int, device, mla_decode:
         params = jax.tree.map(lambda x: put(jax.ShapeDtypeStruct(
             x.shape, jnp.bfloat16 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)), params)
         rest = jax.tree.map(put, rest)
+        rows = decode.decode_rows(batch)
         cache = jax.tree.map(put, jax.eval_shape(lambda: decode.init_cache(
-            nnx.merge(graphdef, params, rest), batch, capacity(context))))
+            nnx.merge(graphdef, params, rest), rows, capacity(context))))
 
         def step(params, rest, cache, tok):
             logits, cache = decode.extend(nnx.merge(graphdef, params, rest), tok[:, None], cache)
             return cache, jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
 
-        tok = put(jax.ShapeDtypeStruct((batch,), jnp.int32))
+        tok = put(jax.ShapeDtypeStruct((rows,), jnp.int32))
         compiled = jax.jit(step, donate_argnums=2).lower(params, rest, cache, tok).compile()
-    return compiled, time.perf_counter() - t0
+    return compiled, time.perf_counter() - t0, rows
 
 
 def memory_gib(compiled) -> dict:
@@ -386,8 +388,10 @@ def print_report(row: dict, top: int) -> None:
     fl = row["floors"]
     if "memory_gib" in row:
         mem = row["memory_gib"]
-        print(f"\n## {row['model']} x {row['tokens_per_step']} tokens, context {row['seq_len']} ({row['target']}), "
-              f"compiled in {row['compile_s']:.0f} s")
+        rows = row.get("decode_rows")
+        extra = f" ({rows} rows)" if rows and rows != row["tokens_per_step"] else ""
+        print(f"\n## {row['model']} x {row['tokens_per_step']} tokens{extra}, context {row['seq_len']} "
+              f"({row['target']}), compiled in {row['compile_s']:.0f} s")
         print(f"memory GiB: total {mem['total']:.1f} of {row['target_gib']:.1f} (arguments {mem['arguments']:.1f}, "
               f"temporaries {mem['temporaries']:.1f}, outputs {mem['outputs']:.1f}, donated {mem['donated']:.1f})")
     else:
@@ -463,8 +467,8 @@ def ladder_floors(a, t: dict) -> list[dict]:
 def main(argv=None):
     # The CUDA plugin's start-up check needs a CUDA runtime, its compiler does not (before JAX starts).
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="k2:1024:12,k3:1024:12")
     p.add_argument("--target", default="h200", help=f"one of {sorted(TARGETS)}")
     p.add_argument("--seq_len", type=int, default=4096)
@@ -538,12 +542,13 @@ def main(argv=None):
                 for c in ([int(x) for x in a.contexts.split(",") if x] if a.decode else [a.seq_len])]
         for batch, length in runs:
             if a.decode:
-                compiled, seconds = compile_decode_step(spec, length, batch, device, a.mla_decode, a.moe_decode,
-                                                       a.kda_decode, a.set)
+                compiled, seconds, decode_rows = compile_decode_step(spec, length, batch, device, a.mla_decode,
+                                                                    a.moe_decode, a.kda_decode, a.set)
                 tag = f"{style}_{d}_{layers}_decode_b{batch}_c{length}"
             else:
                 cfg = build_config(style, d, layers, length, batch, a.remat, a.set)
                 compiled, seconds = compile_step(cfg, device)
+                decode_rows = None
                 tag = f"{style}_{d}_{layers}_b{batch}"
             hlo = compiled.as_text()
             if a.hlo_dir:
@@ -551,7 +556,8 @@ def main(argv=None):
             floors = kernel_floors(hlo, hbm_bytes_per_s=t["hbm_bytes_per_s"], peak_flops=t["peak_bf16_flops"])
             row = dict(model=spec + (" decode" if a.decode else ""), target=a.target,
                        target_gib=t["memory_bytes"] / 2 ** 30, seq_len=length, batch=batch,
-                       tokens_per_step=batch if a.decode else batch * length, remat=a.remat, sets=list(a.set),
+                       tokens_per_step=batch if a.decode else batch * length, decode_rows=decode_rows,
+                       remat=a.remat, sets=list(a.set),
                        compile_s=seconds, memory_gib=memory_gib(compiled),
                        floors=dict(floors, kernels=floors["kernels"][: max(a.top, 50)]), jax=jax.__version__)
             rows.append(row)

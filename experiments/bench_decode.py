@@ -164,8 +164,9 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     cfg = model_config(kind, d_model, n_layers, dtype, mla_decode, moe_decode, kda_decode, sets)
     model = Model(cfg, rngs=nnx.Rngs(0))
     model = {"served": served, "unrolled": unrolled, "scanned": lambda m: m}[layers](model)
+    rows = decode.decode_rows(batch)  # as `k3.generate` decodes: one sequence beside a copy on a GPU
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
-        jax.eval_shape(lambda: decode.init_cache(model, batch, capacity(context)))))
+        jax.eval_shape(lambda: decode.init_cache(model, rows, capacity(context)))))
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     if weights_dtype:  # served weights are stored once in the compute dtype, not cast every step
@@ -190,8 +191,8 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     def decode_one(params, cache, tok):
         return step(params, (cache, tok))[0]
 
-    cache = random_cache(model, batch, context, jax.random.key(0))
-    tok = jnp.zeros((batch,), jnp.int32)
+    cache = random_cache(model, rows, context, jax.random.key(0))
+    tok = jnp.zeros((rows,), jnp.int32)
     t0 = time.perf_counter()
     if loop == "scan":
         compiled = decode_steps.lower(params, cache, tok).compile(compiler_options=xla_options)
@@ -218,9 +219,11 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
     counts = count_params(cfg)
     w_item = jnp.dtype(weights_dtype or "float32").itemsize
     floor = floor_bytes(cfg, cache, batch, context, w_item)
+    # The floor is what ``batch`` sequences need: a copied row's cache reads are the step's overhead.
+    floor.update({k: floor[k] * batch / rows for k in ("kda_state", "mla_cache")})
     rate = device_hbm_bandwidth(hbm)
     floor_ms = sum(floor.values()) / rate * 1e3 if rate else None
-    return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch,
+    return {"model": kind, "d_model": d_model, "n_layers": n_layers, "context": context, "batch": batch, "rows": rows,
             "steps": steps, "weights_dtype": weights_dtype or "float32", "layers": layers,
             "mla_decode": mla_decode, "moe_decode": moe_decode, "kda_decode": kda_decode, "loop": loop,
             "xla_options": xla_options or {}, "sets": list(sets),
@@ -279,7 +282,8 @@ def main(argv=None):
     p.add_argument("--speculative", type=int, default=0,
                    help="K > 0: also time prompt-lookup speculative decoding with K-token drafts")
     p.add_argument("--mla_decode", default="auto", help="model.mla.decode_impl: 'auto', 'xla' or 'pallas'")
-    p.add_argument("--moe_decode", default="auto", help="model.moe.decode_impl: 'auto', 'train', 'gather', 'pallas' or 'grouped'")
+    p.add_argument("--moe_decode", default="auto",
+                   help="model.moe.decode_impl: 'auto', 'train', 'gather', 'pallas' or 'grouped'")
     p.add_argument("--kda_decode", default="auto", help="model.kda.decode_impl: 'auto', 'xla' or 'pallas'")
     p.add_argument("--loop", default="scan", choices=("scan", "host"),
                    help="the steps as one scan in one jitted call, or a Python loop over a jitted step")
@@ -334,17 +338,17 @@ def main(argv=None):
           f"{'cache MiB':>11}{'scratch MiB':>12}{'K3/all-MLA tok/s':>18}")
     for r in rows:
         if r["model"] == "k3_speculative":
-            print(f"speculative (k={r['k']}): {r['speculative_tokens_per_s']:,.0f} tok/s vs {r['plain_tokens_per_s']:,.0f}"
-                  f" plain ({r['speedup']:.2f}x; {r['mean_accepted']:.2f} tokens per row and pass; "
-                  f"same tokens: {r['same_tokens']})")
+            print(f"speculative (k={r['k']}): {r['speculative_tokens_per_s']:,.0f} tok/s vs "
+                  f"{r['plain_tokens_per_s']:,.0f} plain ({r['speedup']:.2f}x; {r['mean_accepted']:.2f} tokens per "
+                  f"row and pass; same tokens: {r['same_tokens']})")
             continue
         base = next((x for x in rows if x.get("context") == r["context"] and x["model"] == "all_mla"), None)
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         temp = f"{r['temp_bytes'] / 2 ** 20:.0f}" if r["temp_bytes"] is not None else "n/a"
         floor = f"{r['floor_ms']:.3f}" if r["floor_ms"] else "n/a"
         times = f"{r['x_floor']:.1f}" if r["x_floor"] else "n/a"
-        print(f"{r['context']:>9}{r['model']:>9}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>10.2f}{floor:>10}{times:>9}"
-              f"{r['cache_bytes'] / 2 ** 20:>11.1f}{temp:>12}{ratio:>18}")
+        print(f"{r['context']:>9}{r['model']:>9}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>10.2f}{floor:>10}"
+              f"{times:>9}{r['cache_bytes'] / 2 ** 20:>11.1f}{temp:>12}{ratio:>18}")
     return rows
 
 

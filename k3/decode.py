@@ -29,10 +29,25 @@ import numpy as np
 from flax import nnx
 
 from k3 import attn_res
+from k3.backends import platform
 from k3.kda.layer import replay_kda
 from k3.mla.layer import write_rows
 from k3.model import per_layer, replace_slot, served, walk_layers
 from k3.nn import cast
+
+
+# Rows a decoding step runs, at least, per platform. With one row every projection is a vector-matrix
+# product, which XLA's GPU compiler rewrites as a multiply that writes a weight-sized product and a sum
+# that reads it back (three passes over each weight, two kernels); with two rows they stay GEMMs. A K3
+# 1024x16 step compiled for an H100 (`experiments.aot_report --decode --batches=1,2`): 540 kernels at
+# one row, 396 at two. XLA's CPU compiler keeps vector-matrix dots as they are.
+MIN_DECODE_ROWS = {"gpu": 2}
+
+
+def decode_rows(batch: int) -> int:
+    """Rows to decode ``batch`` sequences with on this platform (`MIN_DECODE_ROWS`): the extra rows
+    repeat the first sequence and are dropped from the results."""
+    return max(batch, MIN_DECODE_ROWS.get(platform(), 1))
 
 
 def init_cache(model, batch: int, max_len: int, dtype=None) -> dict:
@@ -164,7 +179,8 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
     Prompts longer than ``prefill_chunk`` are prefilled in pieces of that many tokens.
     ``unroll_layers`` decodes through `k3.model.served` (each layer's weights split out of the
     scanned stack and its input projections fused, once per call, so the token loop reads them in
-    place; compile time grows with depth); False keeps the scanned training layout.
+    place; compile time grows with depth); False keeps the scanned training layout. A single prompt on a
+    GPU decodes beside a copy of itself (`decode_rows`).
     Returns the new tokens of each row.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -174,16 +190,18 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], max_new_t
     P = max(len(p) for p in prompts)
     if prefill_chunk > 0 and P > prefill_chunk:
         P = -(-P // prefill_chunk) * prefill_chunk
-    tokens = np.full((len(prompts), P), pad_id, np.int32)
-    for i, p in enumerate(prompts):
+    rows = list(prompts) + [prompts[0]] * (decode_rows(len(prompts)) - len(prompts))
+    tokens = np.full((len(rows), P), pad_id, np.int32)
+    for i, p in enumerate(rows):
         tokens[i, :len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths = np.array([len(p) for p in rows], np.int32)
     # Capacity rounded up so that nearby prompt lengths reuse one compiled program.
     max_len = -(-(P + max_new_tokens) // 64) * 64
     fn = _generate_fn(graphdef, max_new_tokens, max_len, float(temperature), int(top_k), int(pad_id),
                       int(prefill_chunk) if P > prefill_chunk > 0 else 0, bool(unroll_layers))
     stop_ids = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-    out = np.asarray(fn(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), stop_ids, jax.random.key(seed)))
+    out = np.asarray(fn(params, rest, jnp.asarray(tokens), jnp.asarray(lengths), stop_ids,
+                        jax.random.key(seed)))[:len(prompts)]
     stops = set(int(s) for s in stop_tokens)
     result = []
     for row in out.tolist():

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from k3 import decode
+from k3.backends import platform
 from k3.model import Model, served, unrolled
 from tests.conftest import tiny_model_cfg
 
@@ -193,6 +194,28 @@ def test_generate_greedy_equals_recompute_and_stops(style):
         k = full.index(stop) + 1 if stop in full else len(full)
         assert short == full[:k]
 
+
+def test_a_single_prompt_decodes_beside_a_copy_where_the_platform_asks(monkeypatch):
+    """Where `MIN_DECODE_ROWS` asks for two rows (a GPU's), one prompt runs beside a copy of itself: the
+    same greedy tokens, one result, and the jitted program sees two rows."""
+    model, _, _ = _model("k2")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    alone = decode.generate(graphdef, params, rest, [[5, 9, 13]], 6)
+    assert decode.decode_rows(1) == 1  # this platform (a CPU) decodes one row as one row
+    monkeypatch.setitem(decode.MIN_DECODE_ROWS, platform(), 2)
+    assert [decode.decode_rows(b) for b in (1, 2, 3)] == [2, 2, 3]
+    seen = []
+    real = decode._generate_fn
+
+    def spy(*args):
+        fn = real(*args)
+        return lambda params, rest, tokens, *more: seen.append(tokens.shape) or fn(params, rest, tokens, *more)
+
+    monkeypatch.setattr(decode, "_generate_fn", spy)
+    assert decode.generate(graphdef, params, rest, [[5, 9, 13]], 6) == alone
+    assert seen == [(2, 3)]
+    a = decode.generate(graphdef, params, rest, [[3, 4]], 5, temperature=1.0, seed=2)
+    assert len(a) == 1 and a == decode.generate(graphdef, params, rest, [[3, 4]], 5, temperature=1.0, seed=2)
 
 def test_sampling_is_seeded_and_top_k_restricts():
     model, _, _ = _model("k2")
