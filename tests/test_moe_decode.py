@@ -16,7 +16,7 @@ from k3.ffn import glu_parts_output
 from k3.model import Model
 from k3.moe.layer import (DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts, gathered_experts,
                           grouped_routed_experts, pallas_routed_experts)
-from pallas_kernels.moe_decode import grouped_glu, routed_glu
+from pallas_kernels.moe_decode import grouped_glu, routed_glu, routed_glu_supported
 
 BETAS = (4.0, 25.0)
 
@@ -128,6 +128,8 @@ def test_decode_backends_equal_the_dense_reference(D):
 
 @pytest.mark.parametrize("impl", ["gather", "pallas", "grouped"])
 def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
+    """A decoding call takes the decode backend with fewer routes than experts; 'grouped' also with more,
+    up to DROPLESS_DECODE_TOKENS tokens, dropless (equal to the dense reference)."""
     cfg = tiny_model_cfg(**{"moe.decode_impl": impl})
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     calls = []
@@ -139,8 +141,15 @@ def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
     y_train, _ = moe(few)
     np.testing.assert_allclose(y_dec, y_train, rtol=2e-5, atol=2e-5)
     many = jax.random.normal(jax.random.key(2), (2, E, cfg.d_model))
-    moe(many, decode=True)  # N k >= E: the training backend
-    assert calls == [(few.shape[1], k)]
+    y_many, st = moe(many, decode=True)  # N k >= E: the training backend, except for 'grouped'
+    longer = jax.random.normal(jax.random.key(3), (1, DROPLESS_DECODE_TOKENS + 1, cfg.d_model))
+    moe(longer, decode=True)  # past the dropless bound: the training backend for every impl
+    width = cfg.moe.latent_dim or cfg.d_model
+    assert routed_glu_supported(width, cfg.moe.expert_dim)  # so 'grouped' takes the call itself
+    assert calls == [(few.shape[1], k)] + ([(2 * E, k)] if impl == "grouped" else [])
+    assert float(st["dropped"]) == 0
+    moe.experts = dense_experts
+    np.testing.assert_allclose(y_many, moe(many)[0], rtol=2e-5, atol=2e-5)
 
 
 def test_decode_with_many_routes_is_dropless_under_capacity():

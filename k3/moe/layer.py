@@ -27,9 +27,11 @@ keyed by ``model.moe.decode_impl``:
   'grouped'   `pallas_kernels.moe_decode.grouped_glu`: routes grouped by expert, each routed expert's
               weights read once for all its routes, as tensor-core tile products (same fallbacks).
 'auto' is 'pallas' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
-A decoding call with N k >= E routes (e.g. verifying a speculative draft) runs the training backend;
-with at most `DROPLESS_DECODE_TOKENS` tokens the 'capacity' backend then gets C >= N rows per expert, so
-it drops nothing (top-k experts are distinct, so no expert gets more than N routes).
+A decoding call with N k >= E routes (e.g. verifying a speculative draft, or batch 64) runs the training
+backend; with at most `DROPLESS_DECODE_TOKENS` tokens the 'capacity' backend then gets C >= N rows per
+expert, so it drops nothing (top-k experts are distinct, so no expert gets more than N routes). The
+backends in `ANY_ROUTES_DECODE` ('grouped', which reads each expert once whatever its routes) take such
+calls of at most that many tokens themselves, without the capacity backend's sort and scatter.
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, be
 # 2.01 / 2.53 ms per step at 4K context, 2.31 / 2.81 at 32K.
 DECODE_EXPERTS = Table("model.moe.decode_impl", default="train", auto={"gpu": "pallas"})
 DECODE_EXPERTS.register("train")(None)  # the training backend (`EXPERT_BACKENDS`) itself
+# Decode backends that also take calls with N k >= E routes (of at most `DROPLESS_DECODE_TOKENS` tokens,
+# at widths their kernels take): one pass per expert however many routes it has, so nothing drops.
+ANY_ROUTES_DECODE = {"grouped"}
 
 
 @DECODE_EXPERTS.register("gather")
@@ -236,6 +241,7 @@ class MoE(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.experts = EXPERT_BACKENDS.get(e.expert_impl)
         self.decode_experts = DECODE_EXPERTS.get(e.decode_impl)
+        self.decode_any_routes = DECODE_EXPERTS.resolve(e.decode_impl) in ANY_ROUTES_DECODE
         self.expert_capacity = e.expert_capacity
         init = normal(cfg.init_std)
         self.router = param(rngs, init, (D, E), ("embed", "experts"))
@@ -281,7 +287,7 @@ class MoE(nnx.Module):
         else:
             stats = self.stats(idx, scores, alpha)
             with jax.named_scope("routed_experts"):
-                if decode and self.decode_experts is not None and idx.size < self.n_experts:
+                if decode and self._decode_backend_takes(idx.shape[0], idx.size, w_gate.shape[1:]):
                     out_NkL = self.decode_experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas)
                     dropped = jnp.zeros((), jnp.int32)
                 else:
@@ -295,6 +301,18 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y.reshape(B, T, D), stats
+
+    def _decode_backend_takes(self, n_tokens: int, n_routes: int, expert_DF: tuple[int, int]) -> bool:
+        """Whether the `DECODE_EXPERTS` backend runs a decoding call's routed experts: with fewer routes
+        than experts, or for `ANY_ROUTES_DECODE` backends with at most `DROPLESS_DECODE_TOKENS` tokens."""
+        if self.decode_experts is None:
+            return False
+        if n_routes < self.n_experts:
+            return True
+        from pallas_kernels.moe_decode import routed_glu_supported
+
+        return (self.decode_any_routes and n_tokens <= DROPLESS_DECODE_TOKENS
+                and routed_glu_supported(*expert_DF))
 
     def capacity(self, n_tokens: int, decode: bool) -> float:
         """The 'capacity' backend's factor for a call of ``n_tokens``: the configured one, or for a
