@@ -235,8 +235,7 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
     interpret = default_interpret() if interpret is None else bool(interpret)
     N = B * T
     # Programs of fewer tokens where N is not a multiple of block * steps (a decode step of one token, an
-    # odd-length prompt): padding instead would copy the whole bank in and the mix out, three more XLA
-    # kernels per mix, which at batch 1 made a decode step 544 kernels instead of 398.
+    # odd-length prompt): padding instead copies the whole bank in and the mix out, XLA kernels of their own.
     while block > 1 and N % block:
         block //= 2
     while steps > 1 and N % (block * steps):
