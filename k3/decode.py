@@ -39,8 +39,8 @@ from k3.nn import cast
 # Rows a decoding step runs, at least, per platform. With one row every projection is a vector-matrix
 # product, which XLA's GPU compiler rewrites as a multiply that writes a weight-sized product and a sum
 # that reads it back (three passes over each weight, two kernels); with two rows they stay GEMMs. A K3
-# 1024x16 step compiled for an H100 (`experiments.aot_report --decode --batches=1,2`): 540 kernels at
-# one row, 396 at two. XLA's CPU compiler keeps vector-matrix dots as they are.
+# 1024x16 step compiled for an H100 has 540 kernels at one row, 396 at two (BENCHMARKS.md). XLA's CPU
+# compiler keeps vector-matrix dots as they are.
 MIN_DECODE_ROWS = {"gpu": 2}
 
 
