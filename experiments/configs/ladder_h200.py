@@ -31,6 +31,6 @@ def get_config():
     c.eval_batches = 0
     c.overrides = "model.dtype=bfloat16"
     # The byte-level standard-library split (9.47M tokens) is read up to 3.2 times by the largest
-    # runs (experiments/RESULTS.md); this ladder predates the single-epoch rule and says so here.
+    # runs (experiments/RESULTS_byte_ladder.md); this ladder predates the single-epoch rule and says so here.
     c.max_epochs = 3.5
     return c
