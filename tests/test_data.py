@@ -337,7 +337,7 @@ def test_cache_reused_and_rebuilt_when_stale(tmp_path):
     wd = tmp_path / "wd"
     d1 = prepare_data(cfg, wd)
     assert not d1.meta["cache_hit"]
-    assert set(d1.meta["phases"]) == {"listing", "tokenizer", "tokens"}
+    assert set(d1.meta["phases"]) == {"listing", "tokenizer", "encoding", "tokens"}
     assert all(v >= 0 for v in d1.meta["phases"].values())
     assert sum(d1.meta["phases"].values()) == pytest.approx(d1.meta["seconds"], abs=0.01)
     assert prepare_data(cfg, wd).meta["cache_hit"]
