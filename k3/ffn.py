@@ -103,11 +103,14 @@ class GLUMLP(nnx.Module):
         self.w_down = param(rngs, normal(init_std), (d_ff, d_model), ("mlp", in_axis))
 
     def __call__(self, x_ND: jax.Array) -> jax.Array:
+        return jnp.einsum("...f,fd->...d", self.hidden(x_ND), cast(self.w_down, self.dtype))
+
+    def hidden(self, x_ND: jax.Array) -> jax.Array:
+        """act(W_gate x, W_up x): [..., F] in the compute dtype, what W_down reads."""
         x = x_ND.astype(self.dtype)
         gate = jnp.einsum("...d,df->...f", x, cast(self.w_gate, self.dtype))
         up = jnp.einsum("...d,df->...f", x, cast(self.w_up, self.dtype))
-        h = glu_activation(gate, up, self.activation, self.beta_gate, self.beta_up)
-        return jnp.einsum("...f,fd->...d", h, cast(self.w_down, self.dtype))
+        return glu_activation(gate, up, self.activation, self.beta_gate, self.beta_up)
 
 
 def glu_bytes(a: int) -> float:

@@ -439,7 +439,8 @@ def _exact_decode_logits(model, toks_BT, lengths_B, max_len: int, ends) -> list:
 
 @pytest.mark.parametrize("overrides", [{}, {"mixer": "mla", "mla.q_lora_rank": 0, "mla.output_gate": False}])
 def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides):
-    """`served` = `unrolled` + each mixer's input projections as one [D, N] matrix: the original
+    """`served` = `unrolled` + each mixer's input projections as one [D, N] matrix (and each latent
+    MoE's two output projections as one [L + F_s, D] matrix): the original
     weights are gone from the served layers (and kept by the model it came from), the fused matrix
     holds them side by side, and the logits of a forward pass and of a ragged prefill plus a decode
     step equal the unfused model's (full-precision matmuls; K3's KDA and gated MLA with a query
@@ -455,6 +456,16 @@ def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides
         np.testing.assert_array_equal(np.asarray(mixer.w_in[...]), cols)
     assert {n for n, _ in fused.head_layers[0].mixer.fused_shapes} >= (
         {"w_q", "w_k", "w_v", "w_fa", "w_beta", "w_gate"} if not overrides else {"q_b", "kv_a"})
+    # Each latent MoE's output projections, stacked: [latent up-projection; shared experts' down].
+    n_moe = 0
+    for layer, ref in zip(fused.head_layers, flat.head_layers):
+        if getattr(ref.ffn, "w_up_latent", None) is None:
+            continue
+        n_moe += 1
+        assert layer.ffn.w_up_latent is None and layer.ffn.shared.w_down is None
+        want = np.concatenate([np.asarray(ref.ffn.w_up_latent[...]), np.asarray(ref.ffn.shared.w_down[...])])
+        np.testing.assert_array_equal(np.asarray(layer.ffn.w_out[...]), want)
+    assert n_moe >= 2
     toks = jax.random.randint(jax.random.key(5), (2, 9), 0, 97)
     lengths = jnp.asarray([6, 2])
     outs = [[m(toks)[0]] + _exact_decode_logits(m, toks, lengths, 16, (6, 7)) for m in (flat, fused)]
