@@ -217,6 +217,7 @@ def test_a_single_prompt_decodes_beside_a_copy_where_the_platform_asks(monkeypat
     a = decode.generate(graphdef, params, rest, [[3, 4]], 5, temperature=1.0, seed=2)
     assert len(a) == 1 and a == decode.generate(graphdef, params, rest, [[3, 4]], 5, temperature=1.0, seed=2)
 
+
 def test_sampling_is_seeded_and_top_k_restricts():
     model, _, _ = _model("k2")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

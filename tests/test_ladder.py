@@ -267,7 +267,6 @@ def test_recorded_speed_lets_the_deadline_skip_a_run_that_would_not_finish(tmp_p
     assert "3 runs, 0 done, 3 to train" in text and "of the 3 runs to train" in text and f"{total:,.0f} s" in text
 
 
-
 def test_an_arm_without_a_recorded_speed_is_estimated_at_the_slowest_arms(tmp_path, capsys):
     """A mechanism arm's first run in a process has no speed of its own: the deadline estimates it at the
     slowest recorded arm's FLOP/s rather than starting it blind."""
