@@ -214,8 +214,8 @@ class LayerGroup(nnx.Module):
 # (layer kinds, first body index, period) to the number of repeats stacked into the scanned body.
 # Unrolled, each layer owns its arrays: compiled for an H200, a step then moves 15-28% fewer bytes
 # (no weight slices out of the stack, no zero-filled stacked gradients or carried residuals), and
-# on the H200 K3 and K2 1024:12 steps ran 7.7% and 12.5% faster (BENCHMARKS.md); the scan keeps compile time flat in depth,
-# which is what a CPU run and a deep model want. The choice changes the parameter tree, so a run
+# on the H200 K3 and K2 1024:12 steps ran 7.7% and 12.5% faster (BENCHMARKS.md); the scan keeps compile
+# time flat in depth, which is what a CPU run and a deep model want. The choice changes the parameter tree, so a run
 # records the resolved value (`resolve_layer_loop`).
 LAYER_LOOPS = Table("model.layer_loop", auto={"gpu": "unroll"}, default="scan")
 
@@ -617,9 +617,9 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
 
     A custom VJP keeps the passes over the logits to the few it needs: the forward reads them twice
     for the log-sum-exp (max, then the sum of exponentials; the target logits are a gather), the
-    backward reads them once and writes softmax - one-hot in their dtype. Differentiating the log-softmax instead left XLA about eight
-    fp32 passes over the [B, T, V] array per step (BENCHMARKS.md), at 32K tokens and a 16K vocabulary
-    about half of a small model's step.
+    backward reads them once and writes softmax - one-hot in their dtype. Differentiating the
+    log-softmax instead left XLA about eight fp32 passes over the [B, T, V] array per step
+    (BENCHMARKS.md), at 32K tokens and a 16K vocabulary about half of a small model's step.
     """
     acc = _acc(logits_BTV)
     mask = jnp.ones(targets_BT.shape, acc) if mask_BT is None else mask_BT.astype(acc)

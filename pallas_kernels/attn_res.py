@@ -208,9 +208,10 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
 
     cands: [M, B, T, D]; valid: [M] bool; extra: [B, T, D] with its validity (bool scalar); w: [D]
     (pseudo-query times norm gain, or with ``w_gain_D`` [D] the pseudo-query alone: the kernels form
-    the product, in fp32 whatever the parameters' dtype). Differentiable in cands, extra, w, w_gain. ``n_valid``: a static
-    count that says the candidates past the first n_valid are invalid (the bank's unfilled slots): the
-    kernels neither read them nor write their (zero) gradients; None reads all M. ``gamma_D`` and
+    the product, in fp32 whatever the parameters' dtype). Differentiable in cands, extra, w, w_gain.
+    ``n_valid``: a static count that says the candidates past the first n_valid are invalid (the
+    bank's unfilled slots): the kernels neither read them nor write their (zero) gradients; None reads
+    all M. ``gamma_D`` and
     ``norm_eps``: the RMSNorm that reads the mix, applied in the kernels (the result is
     rms_norm(mix) * gamma, from the fp32 mix; differentiable in gamma too). ``block`` tokens per
     program (a power of two) and ``num_warps``: 2 and 1 ran fastest of 13 settings on the H200 at

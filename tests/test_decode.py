@@ -412,7 +412,8 @@ def test_unrolled_model_decodes_like_the_scanned_one(style):
     start, period = model.body_start, model.body_period
     body0 = nnx.state(model.body.layers[0], nnx.Param)
     layer = nnx.state(flat.head_layers[start + period], nnx.Param)  # repeat 1, position 0
-    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(body0), jax.tree_util.tree_leaves_with_path(layer)):
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(body0),
+                                 jax.tree_util.tree_leaves_with_path(layer)):
         np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b), err_msg=str(path))
     for var in jax.tree.leaves(nnx.state(flat, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
         axes = var.get_metadata()["out_sharding"]

@@ -70,7 +70,8 @@ def get_config():
     c.baseline = "k2"
     c.sizes = "160x4,192x6,224x8,256x10,288x11"
     c.arm_sizes = ";".join(["k3=128x4,160x6,192x8,224x8,256x10"]
-                           + [f"{arm}=160x4,192x6,224x8" for arm in ("k2+kda_hybrid", "k2+attn_res", "k2+latent_moe_qb")])
+                           + [f"{arm}=160x4,192x6,224x8"
+                              for arm in ("k2+kda_hybrid", "k2+attn_res", "k2+latent_moe_qb")])
     c.tokens_per_param = 20.0
     c.seq_len = 512
     c.batch_size = 64
