@@ -441,8 +441,9 @@ def _exact_decode_logits(model, toks_BT, lengths_B, max_len: int, ends) -> list:
 
 @pytest.mark.parametrize("overrides", [{}, {"mixer": "mla", "mla.q_lora_rank": 0, "mla.output_gate": False}])
 def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides):
-    """`served` = `unrolled` + each mixer's input projections as one [D, N] matrix (and each latent
-    MoE's two output projections as one [L + F_s, D] matrix): the original
+    """`served` = `unrolled` + each mixer's input projections as one [D, N] matrix (and each MLA's
+    kv up-projection as its key and value halves, each latent MoE's two output projections as one
+    [L + F_s, D] matrix): the original
     weights are gone from the served layers (and kept by the model it came from), the fused matrix
     holds them side by side, and the logits of a forward pass and of a ragged prefill plus a decode
     step equal the unfused model's (full-precision matmuls; K3's KDA and gated MLA with a query
@@ -468,6 +469,17 @@ def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides
         want = np.concatenate([np.asarray(ref.ffn.w_up_latent[...]), np.asarray(ref.ffn.shared.w_down[...])])
         np.testing.assert_array_equal(np.asarray(layer.ffn.w_out[...]), want)
     assert n_moe >= 2
+    # Each MLA's kv up-projection as the key and value halves its decode step reads.
+    n_mla = 0
+    for layer, ref in zip(fused.head_layers, flat.head_layers):
+        if not hasattr(ref.mixer, "kv_b"):
+            continue
+        n_mla += 1
+        kv_b, nope = np.asarray(ref.mixer.kv_b[...]), ref.mixer.nope
+        assert layer.mixer.kv_b is None
+        np.testing.assert_array_equal(np.asarray(layer.mixer.kv_b_k[...]), kv_b[..., :nope])
+        np.testing.assert_array_equal(np.asarray(layer.mixer.kv_b_v[...]), kv_b[..., nope:])
+    assert n_mla >= 1
     toks = jax.random.randint(jax.random.key(5), (2, 9), 0, 97)
     lengths = jnp.asarray([6, 2])
     outs = [[m(toks)[0]] + _exact_decode_logits(m, toks, lengths, 16, (6, 7)) for m in (flat, fused)]

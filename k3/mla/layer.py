@@ -252,6 +252,24 @@ class MLA(nnx.Module):
         """Serving layout: the input projections as one matrix (`k3.nn.fuse_inputs`)."""
         fuse_inputs(self, self.inputs)
 
+    def split_kv_up(self) -> None:
+        """Serving layout: kv_b [kv_lora, H, nope + v] as its key half ``kv_b_k`` [kv_lora, H, nope] and
+        value half ``kv_b_v`` [kv_lora, H, v], in place: the two absorbed matrices a decode step reads.
+        Sliced out of kv_b and cast to fp32 every step, they are a weight copy per step (compiled for an
+        H100: one kernel per MLA layer). For inference only, as `k3.model.served` is."""
+        if self.kv_b is None:
+            return
+        kv_b = self.kv_b[...]
+        self.kv_b_k = nnx.Param(kv_b[..., : self.nope], out_sharding=("kv_lora", "heads", "head_dim"))
+        self.kv_b_v = nnx.Param(kv_b[..., self.nope:], out_sharding=("kv_lora", "heads", "head_dim"))
+        self.kv_b = None
+
+    def _kv_up(self, dtype) -> jax.Array:
+        """kv_b [kv_lora, H, nope + v] in ``dtype``, from its halves in the serving layout."""
+        if self.kv_b is not None:
+            return cast(self.kv_b, dtype)
+        return jnp.concatenate([cast(self.kv_b_k, dtype), cast(self.kv_b_v, dtype)], axis=-1)
+
     def _project(self, x_BTD):
         """The input projections of x [B, T, D] (in the compute dtype): queries before RoPE
         [B, T, H, nope + rope], the latent and shared rope key [B, T, kv_lora + rope], and the output
@@ -269,7 +287,7 @@ class MLA(nnx.Module):
         x = x_BTD.astype(dt)
         q, kv, gate = self._project(x)
         c_kv, k_rope = kv[..., : self.kv_lora], kv[..., self.kv_lora:]
-        kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), cast(self.kv_b, dt))
+        kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), self._kv_up(dt))
         k_nope, v = kv_up[..., : self.nope], kv_up[..., self.nope:]
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
         k_rope = k_rope[:, :, None, :]
@@ -342,8 +360,11 @@ class MLA(nnx.Module):
             k_rope = apply_rope(k_rope[:, :, None, :], positions, self.theta)[:, :, 0]
         # The new entries are used as they will be stored, so later steps see the same values.
         c_new, r_new = c_kv.astype(cd), k_rope.astype(r_old.dtype)
-        kv_b = cast(self.kv_b, f32)
-        w_kb_k, w_kb_v = kv_b[..., : self.nope], kv_b[..., self.nope:]
+        if self.kv_b is None:  # the serving layout (`split_kv_up`)
+            w_kb_k, w_kb_v = cast(self.kv_b_k, f32), cast(self.kv_b_v, f32)
+        else:
+            kv_b = cast(self.kv_b, f32)
+            w_kb_k, w_kb_v = kv_b[..., : self.nope], kv_b[..., self.nope:]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(f32), w_kb_k).astype(cd)
         q_rope = q_rope.astype(r_old.dtype)
         o_lat = self.decode_attend(q_lat, q_rope, c_old, r_old, c_new, r_new, start_B, self.scale)
