@@ -54,22 +54,33 @@ def _step64(y, z, convs, dtb, alog, onw, S, ring, n, beta_col, gate_col, bounded
     return o, S_new, ring_new
 
 
-def _inputs(rng, B, H, K, R, extra, z_scale=1.0):
+def _inputs(rng, B, H, K, R, extra):
     C = 3 * H * K
-    beta_col = C + K + extra
+    fa_col = C + extra  # the decay path's rank-K down-projection
+    beta_col = fa_col + K + extra
     gate_col = beta_col + H + extra
     N = gate_col + H * K + extra
     f = lambda *s, scale=1.0: (rng.standard_normal(s) * scale).astype(np.float32)  # noqa: E731
-    return dict(y=f(B, N), z=f(B, H * K, scale=z_scale), convs=[f(R + 1, H * K, scale=0.5) for _ in range(3)],
+    return dict(y=f(B, N), wfb=f(K, H * K, scale=K ** -0.5), convs=[f(R + 1, H * K, scale=0.5) for _ in range(3)],
                 dtb=f(H, K), alog=f(H), onw=f(K), S=f(B, H, K, K), ring=f(B, R, C),
-                n=(np.arange(B) % 3 != 1).astype(np.int32), beta_col=beta_col, gate_col=gate_col)
+                n=(np.arange(B) % 3 != 1).astype(np.int32), fa_col=fa_col, beta_col=beta_col, gate_col=gate_col)
+
+
+def _z(a, round_to=None):
+    """z = fa w_fb [B, H K] in float64; with ``round_to`` (bf16) the weight and z rounded to it first and
+    after, as the kernel and the layer's einsum do."""
+    rnd = (lambda x: x) if round_to is None else (  # noqa: E731
+        lambda x: np.asarray(jnp.asarray(x, round_to), np.float64))
+    K = a["wfb"].shape[0]
+    fa = np.asarray(a["y"], np.float64)[:, a["fa_col"]:a["fa_col"] + K]
+    return rnd(fa @ rnd(np.asarray(a["wfb"], np.float64)))
 
 
 def _run(a, gate_kind, dtype=jnp.float32):
-    return kda_decode_step(jnp.asarray(a["y"], dtype), jnp.asarray(a["z"], dtype),
+    return kda_decode_step(jnp.asarray(a["y"], dtype), jnp.asarray(a["wfb"]),
                            *[jnp.asarray(c, dtype) for c in a["convs"]], a["dtb"], a["alog"], a["onw"], a["S"],
-                           a["ring"], a["n"], beta_col=a["beta_col"], gate_col=a["gate_col"], gate_kind=gate_kind,
-                           out_dtype=jnp.float32)
+                           a["ring"], a["n"], fa_col=a["fa_col"], beta_col=a["beta_col"], gate_col=a["gate_col"],
+                           gate_kind=gate_kind, out_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("B,H,K,R,extra", [(1, 1, 16, 3, 0), (3, 2, 16, 1, 5), (5, 3, 32, 2, 7), (2, 4, 32, 3, 1)])
@@ -77,7 +88,7 @@ def _run(a, gate_kind, dtype=jnp.float32):
 def test_kernel_against_float64(B, H, K, R, extra, gate_kind):
     a = _inputs(np.random.default_rng(B * 100 + H * 10 + K + R), B, H, K, R, extra)
     o, S, ring = _run(a, gate_kind)
-    want = _step64(a["y"], a["z"], a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
+    want = _step64(a["y"], _z(a), a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
                    a["beta_col"], a["gate_col"], gate_kind == "bounded")
     for got, ref in zip((o, S, ring), want):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
@@ -87,20 +98,22 @@ def test_kernel_with_the_gate_at_its_bound_and_bf16_inputs():
     """z far past the sigmoid's knee puts g at the lower bound (-5 per token) for every channel; bf16
     projections go through the same fp32 math."""
     rng = np.random.default_rng(7)
-    a = _inputs(rng, 4, 2, 16, 3, 3, z_scale=1.0)
-    a["z"] = np.full_like(a["z"], 60.0)
+    a = _inputs(rng, 4, 2, 16, 3, 3)
+    a["y"][:, a["fa_col"]:a["fa_col"] + 16] = 1.0
+    a["wfb"] = np.full_like(a["wfb"], 60.0 / 16)  # z = 60 exactly, in bf16 too
     a["alog"] = np.zeros_like(a["alog"])
     a["dtb"] = np.zeros_like(a["dtb"])
+    assert np.all(_z(a) == 60.0)
     o, S, _ = _run(a, "bounded")
-    want = _step64(a["y"], a["z"], a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
+    want = _step64(a["y"], _z(a), a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
                    a["beta_col"], a["gate_col"], True)
     np.testing.assert_allclose(np.asarray(S), want[1], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(o), want[0], rtol=2e-5, atol=2e-5)
-    bf = {k: (np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) if k in ("y", "z") else v) for k, v in a.items()}
+    bf = {k: (np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) if k == "y" else v) for k, v in a.items()}
     bf["convs"] = [np.asarray(jnp.asarray(c, jnp.bfloat16), np.float32) for c in a["convs"]]
     o16, S16, _ = _run(a, "bounded", jnp.bfloat16)
-    want16 = _step64(bf["y"], bf["z"], bf["convs"], bf["dtb"], bf["alog"], bf["onw"], bf["S"], bf["ring"], bf["n"],
-                     bf["beta_col"], bf["gate_col"], True)
+    want16 = _step64(bf["y"], _z(bf, jnp.bfloat16), bf["convs"], bf["dtb"], bf["alog"], bf["onw"], bf["S"],
+                     bf["ring"], bf["n"], bf["beta_col"], bf["gate_col"], True)
     np.testing.assert_allclose(np.asarray(S16), want16[1], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(o16), want16[0], rtol=2e-5, atol=2e-5)
 
@@ -108,18 +121,24 @@ def test_kernel_with_the_gate_at_its_bound_and_bf16_inputs():
 def test_kernel_rejects_bad_shapes_and_head_dims():
     a = _inputs(np.random.default_rng(0), 2, 2, 16, 3, 0)
     with pytest.raises(ValueError, match="ring"):
-        kda_decode_step(a["y"], a["z"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"][:, :2],
-                        a["n"], beta_col=a["beta_col"], gate_col=a["gate_col"])
+        kda_decode_step(a["y"], a["wfb"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"][:, :2],
+                        a["n"], fa_col=a["fa_col"], beta_col=a["beta_col"], gate_col=a["gate_col"])
     with pytest.raises(ValueError, match="gate_col"):
-        kda_decode_step(a["y"], a["z"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
-                        beta_col=a["beta_col"], gate_col=a["y"].shape[1])
+        kda_decode_step(a["y"], a["wfb"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
+                        fa_col=a["fa_col"], beta_col=a["beta_col"], gate_col=a["y"].shape[1])
+    with pytest.raises(ValueError, match="fa_col"):  # fa's K columns past y's end
+        kda_decode_step(a["y"], a["wfb"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
+                        fa_col=a["y"].shape[1] - 8, beta_col=a["beta_col"], gate_col=a["gate_col"])
+    with pytest.raises(ValueError, match="w_fb"):  # an up-projection for other heads
+        kda_decode_step(a["y"], a["wfb"][:, :16], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"],
+                        a["n"], fa_col=a["fa_col"], beta_col=a["beta_col"], gate_col=a["gate_col"])
     with pytest.raises(ValueError, match="gate_kind"):
-        kda_decode_step(a["y"], a["z"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
-                        beta_col=a["beta_col"], gate_col=a["gate_col"], gate_kind="relu")
+        kda_decode_step(a["y"], a["wfb"], *a["convs"], a["dtb"], a["alog"], a["onw"], a["S"], a["ring"], a["n"],
+                        fa_col=a["fa_col"], beta_col=a["beta_col"], gate_col=a["gate_col"], gate_kind="relu")
     b = _inputs(np.random.default_rng(0), 2, 2, 8, 3, 0)
     with pytest.raises(ValueError, match="head_dim 8"):
-        kda_decode_step(b["y"], b["z"], *b["convs"], b["dtb"], b["alog"], b["onw"], b["S"], b["ring"], b["n"],
-                        beta_col=b["beta_col"], gate_col=b["gate_col"])
+        kda_decode_step(b["y"], b["wfb"], *b["convs"], b["dtb"], b["alog"], b["onw"], b["S"], b["ring"], b["n"],
+                        fa_col=b["fa_col"], beta_col=b["beta_col"], gate_col=b["gate_col"])
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])

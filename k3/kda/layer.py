@@ -104,12 +104,12 @@ def decode_step_kernel(layer: "KDA", x_BD: jax.Array, cache: dict, n_valid_B: ja
     H, K = layer.n_heads, layer.head_dim
     y_BN, cols = project_columns(layer, x_BD[:, None], layer.INPUTS, layer.dtype)
     y_BN = y_BN[:, 0]
-    fa = y_BN[:, cols["w_fa"]:cols["w_fa"] + K]
-    z = jnp.einsum("br,rn->bn", fa, cast(layer.w_fb, layer.dtype).reshape(K, H * K))
+    w_fb = layer.w_fb[...]
     conv = [c[...].reshape(-1, H * K) for c in (layer.conv_q, layer.conv_k, layer.conv_v)]
     o, state, ring = kda_decode_step(
-        y_BN, z, *conv, layer.dt_bias[...], layer.A_log[...], layer.o_norm[...], cache["state"], cache["conv"],
-        n_valid_B, beta_col=cols["w_beta"], gate_col=cols["w_gate"], gate_kind=layer.gate_kind,
+        y_BN, w_fb.reshape(w_fb.shape[0], H * K), *conv, layer.dt_bias[...], layer.A_log[...], layer.o_norm[...],
+        cache["state"], cache["conv"], n_valid_B, fa_col=cols["w_fa"], beta_col=cols["w_beta"],
+        gate_col=cols["w_gate"], gate_kind=layer.gate_kind,
         lower_bound=layer.lower_bound, eps=layer.eps, l2_eps=L2_EPS, out_dtype=layer.dtype)
     return jnp.einsum("bhk,hkd->bd", o, cast(layer.w_o, layer.dtype)), {"state": state, "conv": ring}
 
