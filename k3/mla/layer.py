@@ -264,11 +264,12 @@ class MLA(nnx.Module):
         self.kv_b_v = nnx.Param(kv_b[..., self.nope:], out_sharding=("kv_lora", "heads", "head_dim"))
         self.kv_b = None
 
-    def _kv_up(self, dtype) -> jax.Array:
-        """kv_b [kv_lora, H, nope + v] in ``dtype``, from its halves in the serving layout."""
-        if self.kv_b is not None:
-            return cast(self.kv_b, dtype)
-        return jnp.concatenate([cast(self.kv_b_k, dtype), cast(self.kv_b_v, dtype)], axis=-1)
+    def _kv_up_halves(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """kv_b's key half [kv_lora, H, nope] and value half [kv_lora, H, v] in ``dtype``, in either layout."""
+        if self.kv_b is None:  # the serving layout (`split_kv_up`)
+            return cast(self.kv_b_k, dtype), cast(self.kv_b_v, dtype)
+        kv_b = cast(self.kv_b, dtype)
+        return kv_b[..., : self.nope], kv_b[..., self.nope:]
 
     def _project(self, x_BTD):
         """The input projections of x [B, T, D] (in the compute dtype): queries before RoPE
@@ -287,7 +288,8 @@ class MLA(nnx.Module):
         x = x_BTD.astype(dt)
         q, kv, gate = self._project(x)
         c_kv, k_rope = kv[..., : self.kv_lora], kv[..., self.kv_lora:]
-        kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), self._kv_up(dt))
+        kv_b = cast(self.kv_b, dt) if self.kv_b is not None else jnp.concatenate(self._kv_up_halves(dt), axis=-1)
+        kv_up = jnp.einsum("btr,rhk->bthk", self.kv_norm(c_kv), kv_b)
         k_nope, v = kv_up[..., : self.nope], kv_up[..., self.nope:]
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
         k_rope = k_rope[:, :, None, :]
@@ -360,11 +362,7 @@ class MLA(nnx.Module):
             k_rope = apply_rope(k_rope[:, :, None, :], positions, self.theta)[:, :, 0]
         # The new entries are used as they will be stored, so later steps see the same values.
         c_new, r_new = c_kv.astype(cd), k_rope.astype(r_old.dtype)
-        if self.kv_b is None:  # the serving layout (`split_kv_up`)
-            w_kb_k, w_kb_v = cast(self.kv_b_k, f32), cast(self.kv_b_v, f32)
-        else:
-            kv_b = cast(self.kv_b, f32)
-            w_kb_k, w_kb_v = kv_b[..., : self.nope], kv_b[..., self.nope:]
+        w_kb_k, w_kb_v = self._kv_up_halves(f32)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(f32), w_kb_k).astype(cd)
         q_rope = q_rope.astype(r_old.dtype)
         o_lat = self.decode_attend(q_lat, q_rope, c_old, r_old, c_new, r_new, start_B, self.scale)
