@@ -103,6 +103,8 @@ def default_config() -> ConfigDict:
     # ('pallas' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
     # (each route reads its expert's weights in place; pallas_kernels.moe_decode), 'grouped' (routes grouped
     # by expert, each expert read once for all its routes)
+    e.decode_route_impl = "auto"  # k3.moe.DECODE_ROUTERS, those decoding calls' top-k after the router
+    # matmul: 'xla' (MoE.route's ops) or 'pallas' (one kernel; pallas_kernels.moe_route)
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'
@@ -215,6 +217,7 @@ _TABLES = {
     "model.kda.decode_impl": ("k3.kda.layer", "DECODE_STEPS"),
     "model.moe.expert_impl": ("k3.moe.layer", "EXPERT_BACKENDS"),
     "model.moe.decode_impl": ("k3.moe.layer", "DECODE_EXPERTS"),
+    "model.moe.decode_route_impl": ("k3.moe.layer", "DECODE_ROUTERS"),
     "model.mla.attention_impl": ("k3.mla.layer", "ATTENTION"),
     "model.mla.decode_impl": ("k3.mla.layer", "DECODE_ATTENTION"),
     "model.remat_policy": ("k3.model", "REMAT_POLICIES"),

@@ -100,3 +100,19 @@ def all_eqns(jaxpr):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from all_eqns(inner)
+
+
+def greedy_step_logits(cfg, tokens_BT, max_len: int, seed: int = 3):
+    """Logits [B, T, V] of feeding ``tokens_BT`` one token at a time through `k3.decode.extend` of a
+    model built from ``cfg`` (weights from ``seed``), with a cache of ``max_len`` tokens per row."""
+    from k3 import decode
+    from k3.model import Model
+
+    model = Model(cfg, rngs=nnx.Rngs(seed))
+    ext = jax.jit(lambda t, c: decode.extend(model, t, c))
+    cache = decode.init_cache(model, tokens_BT.shape[0], max_len)
+    out = []
+    for i in range(tokens_BT.shape[1]):
+        lg, cache = ext(tokens_BT[:, i:i + 1], cache)
+        out.append(lg)
+    return jnp.concatenate(out, axis=1)

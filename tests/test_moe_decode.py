@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_cfg
-from k3 import decode
+from conftest import greedy_step_logits, tiny_model_cfg
 from k3.ffn import glu_parts_output
-from k3.model import Model
 from k3.moe.layer import (DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts, gathered_experts,
                           grouped_routed_experts, pallas_routed_experts)
 from pallas_kernels.moe_decode import grouped_glu, routed_glu, routed_glu_supported
@@ -179,16 +177,11 @@ def test_decode_with_many_routes_is_dropless_under_capacity():
 def test_model_decode_with_routed_experts_equals_the_training_backend():
     """Greedy token-by-token decoding of a tiny K3 (latent MoE, SiTU) with 'gather', 'pallas' and
     'grouped' routed experts gives the logits of the training backend ('train')."""
+    toks = jax.random.randint(jax.random.key(4), (2, 6), 0, 97)
+
     def run(impl):
-        model = Model(tiny_model_cfg(n_layers=5, first_k_dense=1, **{"moe.decode_impl": impl}), rngs=nnx.Rngs(3))
-        ext = jax.jit(lambda t, c: decode.extend(model, t, c))
-        toks = jax.random.randint(jax.random.key(4), (2, 6), 0, 97)
-        cache = decode.init_cache(model, 2, 16)
-        out = []
-        for i in range(6):
-            lg, cache = ext(toks[:, i:i + 1], cache)
-            out.append(lg)
-        return np.asarray(jnp.concatenate(out, axis=1))
+        cfg = tiny_model_cfg(n_layers=5, first_k_dense=1, **{"moe.decode_impl": impl})
+        return np.asarray(greedy_step_logits(cfg, toks, 16))
 
     want = run("train")
     for impl in ("gather", "pallas", "grouped"):

@@ -1,0 +1,113 @@
+"""Decoding's routing kernel (`pallas_kernels.moe_route.route_topk`, `k3.moe.layer.DECODE_ROUTERS`)
+against a float64 sort: awkward sizes, ties, the bias deciding, one token; the kernel is interpreted on
+a CPU and compiled on a GPU (`pallas_kernels.common.default_interpret`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import greedy_step_logits, tiny_model_cfg
+from k3.moe.layer import DECODE_ROUTERS, MoE
+from pallas_kernels.moe_route import MAX_ROUTE_ELEMENTS, route_topk, route_topk_supported
+
+
+def _route64(logits, bias, k, scaling):
+    """Top-k of sigmoid(logits) + bias by a stable float64 sort (lower expert first on ties)."""
+    s = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))
+    idx = np.argsort(-(s + np.asarray(bias, np.float64)), axis=1, kind="stable")[:, :k]
+    p = np.take_along_axis(s, idx, axis=1)
+    return idx, p / (p.sum(axis=1, keepdims=True) + 1e-20) * scaling
+
+
+def _spread_logits(rng, N, E):
+    """Each row a permutation of evenly spaced logits, so float32 and float64 rank them alike."""
+    grid = np.linspace(-3.0, 3.0, E)
+    return np.stack([rng.permutation(grid) for _ in range(N)]) + rng.normal(size=(N, E)) * 1e-3 / E
+
+
+@pytest.mark.parametrize("N,E,k", [(1, 5, 4), (3, 10, 2), (8, 64, 4), (5, 896, 16), (2, 7, 1), (16, 8, 8)])
+def test_route_topk_against_float64(N, E, k):
+    rng = np.random.default_rng(N * 1000 + E)
+    logits = _spread_logits(rng, N, E)
+    bias = np.zeros(E)
+    bias[rng.integers(0, E, 2)] = [0.75, -0.75]  # the bias moves two experts in or out of the top k
+    idx, w = route_topk(jnp.asarray(logits, jnp.float32), jnp.asarray(bias, jnp.float32), k, 2.5)
+    want_idx, want_w = _route64(logits, bias, k, 2.5)
+    assert idx.dtype == jnp.int32 and w.dtype == jnp.float32 and idx.shape == w.shape == (N, k)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_route_topk_ties_saturation_and_a_deciding_bias():
+    """Equal scores go to the lower expert (as `lax.top_k`); saturated sigmoids (logits +-80) tie at 1
+    and 0; a bias picks an expert whose score is 0, and the weights still use the unbiased scores."""
+    N, E, k = 3, 12, 4
+    logits = np.zeros((N, E))
+    logits[1] = 80.0
+    logits[2, ::2] = -80.0
+    bias = np.zeros(E)
+    bias[E - 1] = 1.0
+    logits[0, E - 1] = -80.0  # row 0: expert E-1 scores 0 but its bias puts it first
+    idx, w = route_topk(jnp.asarray(logits, jnp.float32), jnp.asarray(bias, jnp.float32), k)
+    want_idx, want_w = _route64(logits, bias, k, 1.0)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    assert list(np.asarray(idx[0])) == [E - 1, 0, 1, 2] and list(np.asarray(idx[1])) == [E - 1, 0, 1, 2]
+    np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=1e-6, atol=1e-7)
+    assert float(w[0, 0]) < 1e-30  # picked by its bias, weighted by its score (sigmoid(-80))
+
+
+def test_route_topk_rejects_what_it_cannot_take():
+    z = jnp.zeros((4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="not supported"):
+        route_topk(z, jnp.zeros(16), 3)  # k not a power of two
+    with pytest.raises(ValueError, match="not supported"):
+        route_topk(jnp.zeros((2, 2)), jnp.zeros(2), 4)  # k > E
+    with pytest.raises(ValueError, match="does not match"):
+        route_topk(z, jnp.zeros(15), 2)
+    assert route_topk_supported(16, 1024, 16) and not route_topk_supported(17, 1024, 16)
+    assert 32 * 1024 > MAX_ROUTE_ELEMENTS
+
+
+@pytest.mark.parametrize("N,k", [(3, 2), (4, 3), (64, 4)])  # (4, 3), (64, 4): the XLA form is taken
+def test_decode_routers_agree(N, k):
+    rng = np.random.default_rng(N + k)
+    E = 64 if N == 64 else 10
+    logits = jnp.asarray(_spread_logits(rng, N, E), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=E) * 0.01, jnp.float32)
+    want_idx, want_w = _route64(logits, bias, k, 1.5)
+    for name in ("xla", "pallas"):
+        idx, w = DECODE_ROUTERS.get(name)(logits, bias, k, 1.5)
+        np.testing.assert_array_equal(np.asarray(idx), want_idx)
+        np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=1e-5, atol=1e-6)
+    assert DECODE_ROUTERS.resolve("auto", "cpu") == "xla"
+
+
+def test_moe_decode_call_routes_through_the_decode_router():
+    """A decoding call of a 'grouped' MoE selects its experts with the configured decode router (the
+    kernel, here), and equals the training call; a training call does not use it."""
+    cfg = tiny_model_cfg(**{"moe.decode_impl": "grouped", "moe.decode_route_impl": "pallas"})
+    moe = MoE(cfg, rngs=nnx.Rngs(2))
+    moe.router_bias[...] = jax.random.normal(jax.random.key(3), (cfg.moe.n_experts,)) * 0.05
+    calls = []
+    inner = moe.decode_route
+    moe.decode_route = lambda *a: calls.append(a[0].shape) or inner(*a)
+    x = jax.random.normal(jax.random.key(1), (2, 3, cfg.d_model))
+    y_dec, _ = moe(x, decode=True)
+    y_train, _ = moe(x)
+    assert calls == [(6, cfg.moe.n_experts)]
+    np.testing.assert_allclose(y_dec, y_train, rtol=2e-5, atol=2e-5)
+
+
+def test_model_decode_with_the_routing_kernel_equals_xla_routing():
+    """Greedy token-by-token decoding of a tiny K3 with the routing kernel gives the logits of XLA's
+    routing, for both Pallas expert backends."""
+    toks = jax.random.randint(jax.random.key(4), (2, 5), 0, 97)
+
+    def run(impl, route):
+        cfg = tiny_model_cfg(n_layers=5, first_k_dense=1, **{"moe.decode_impl": impl, "moe.decode_route_impl": route})
+        return np.asarray(greedy_step_logits(cfg, toks, 8))
+
+    for impl in ("pallas", "grouped"):
+        np.testing.assert_allclose(run(impl, "pallas"), run(impl, "xla"), rtol=1e-5, atol=1e-5)
