@@ -28,8 +28,10 @@ Design (Pallas Triton). Each route is a matrix-vector product, so there is nothi
 `grouped_glu` reads each routed expert once for all its routes. Its programs run per (expert, column
 block) over every token at once: a [M, block_in] x [block_in, block_out] tensor-core dot per weight tile
 (M = the tokens padded to a power of two >= 16), so a program's work is loads, not cross-thread row
-sums; an expert no route uses loads nothing. Each route then reads its (expert, token) row. The extra
-rows cost tensor-core time only, which a decode step has to spare; there is no sort and nothing drops.
+sums; an expert no route uses loads nothing. The extra rows cost tensor-core time only, which a
+decode step has to spare; there is no sort and nothing drops.
+The down-projection's programs store their routes' rows in route order (a one-hot [routes, M] tile
+product picks each route's token row), so the output is [N, k, D] without a gather kernel after it.
 The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import default_interpret, pow2_at_least_16, pow2_from_16, tile_dot, triton_params
 
@@ -158,16 +161,24 @@ def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block
         h_ref[...] = act(g, u).astype(h_ref.dtype)
 
 
-def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, exact):
-    M, bd = y_ref.shape
+def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact):
+    M = h_ref.shape[0]
+    R, bd = y_ref.shape
+    mine = idx_ref[...] == pl.program_id(0)
 
-    @pl.when(_routed_to(idx_ref))
+    @pl.when(jnp.sum(mine.astype(jnp.int32)) > 0)
     def _():
         def step(i, acc):
             rows = pl.ds(i * block_f, block_f)
             return acc + tile_dot(h_ref[:, rows], wd_ref[rows, :], ((1,), (0,)), exact)
 
-        y_ref[...] = lax.fori_loop(0, F // block_f, step, jnp.zeros((M, bd), jnp.float32)).astype(y_ref.dtype)
+        y = lax.fori_loop(0, F // block_f, step, jnp.zeros((M, bd), jnp.float32)).astype(y_ref.dtype)
+        # Route r = n k + j takes token n's row: a one-hot [R, M] product moves the rows into route
+        # order exactly (each sum has one nonzero term), and only this expert's routes are stored.
+        token = lax.broadcasted_iota(jnp.int32, (R, M), 0) // k
+        pick = (token == lax.broadcasted_iota(jnp.int32, (R, M), 1)).astype(y.dtype)
+        pltriton.store(y_ref, tile_dot(pick, y, ((1,), (0,)), exact).astype(y_ref.dtype),
+                       mask=jnp.broadcast_to(mine[:, None], (R, bd)))
 
 
 def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
@@ -182,6 +193,7 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     227 KiB of shared memory (128 at M = 64 would need 240 KiB with 3 stages, `compile_report`)."""
     N, D = x_ND.shape
     E, _, F = w_gate_EDF.shape
+    k = idx_Nk.shape[-1]
     if (idx_Nk.ndim != 2 or idx_Nk.shape[0] != N or w_up_EDF.shape != (E, D, F)
             or w_down_EFD.shape != (E, F, D)):
         raise ValueError(f"grouped_glu: shapes x {x_ND.shape}, idx {idx_Nk.shape}, w_gate {w_gate_EDF.shape}, "
@@ -211,14 +223,15 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
         out_shape=jax.ShapeDtypeStruct((E, M, F), x_ND.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_gate_up",
     )(idx_R, x_MD, w_gate_EDF, w_up_EDF)
+    # Every expert's programs write their routes' rows of one [routes, D] output, in route order, so the
+    # caller reads [N, k, D] without a gather (rows past N k, the padding, are never written).
     y = pl.pallas_call(
-        functools.partial(_grouped_down_kernel, block_f=bf_in, F=F, exact=exact),
+        functools.partial(_grouped_down_kernel, block_f=bf_in, F=F, k=k, exact=exact),
         grid=(E, D // bd),
         in_specs=[routes_spec, pl.BlockSpec((None, M, F), lambda e, j: (e, 0, 0)),
                   pl.BlockSpec((None, F, bd), lambda e, j: (e, 0, j))],
-        out_specs=pl.BlockSpec((None, M, bd), lambda e, j: (e, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((E, M, D), x_ND.dtype), interpret=interpret,
+        out_specs=pl.BlockSpec((routes, bd), lambda e, j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((routes, D), x_ND.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_down",
     )(idx_R, h, w_down_EFD)
-    # Rows of experts no token uses are never written; each route reads its own (expert, token) row.
-    return y[idx_Nk, jnp.arange(N)[:, None]]
+    return y[: N * k].reshape(N, k, D)
