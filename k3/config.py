@@ -103,8 +103,8 @@ def default_config() -> ConfigDict:
     # ('pallas' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
     # (each route reads its expert's weights in place; pallas_kernels.moe_decode), 'grouped' (routes grouped
     # by expert, each expert read once for all its routes)
-    e.decode_route_impl = "auto"  # k3.moe.DECODE_ROUTERS, those decoding calls' top-k after the router
-    # matmul: 'xla' (MoE.route's ops) or 'pallas' (one kernel; pallas_kernels.moe_route)
+    e.decode_route_impl = "auto"  # k3.moe.DECODE_ROUTERS, those decoding calls' routing: 'xla'
+    # (MoE.route's ops) or 'pallas' (pallas_kernels.moe_route: one kernel, the router matmul in it if small)
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'

@@ -1,6 +1,6 @@
 """A decode step's MoE routing after the router matmul, as one Pallas kernel.
 
-What it computes. From the router logits l [N, E] (fp32) and the selection bias b [E]:
+What it computes. From the router logits l = x W_r [N, E] (fp32) and the selection bias b [E]:
 
     s      = sigmoid(l)                                      scores, fp32
     idx    = top_k(s + b)                                    [N, k], descending, lower expert first on ties
@@ -9,15 +9,20 @@ What it computes. From the router logits l [N, E] (fp32) and the selection bias 
 which is `k3.moe.layer.MoE.route` without the Quantile Balancing threshold (a decode step updates no
 balancing statistics).
 
-Why a kernel. XLA compiles this as a sigmoid-and-bias fusion, a sort for the top-k, a slice of its
-first k columns and a gather of the picked scores: four launches per MoE layer for a few hundred
-numbers (compiled for an H100, K3 d_model 1024 with 15 MoE layers at batch 8: 60 of the step's 367
-kernels). A decode step's kernels are mostly too small to fill the GPU, so each launch costs about
-its fixed latency.
+Why a kernel. XLA compiles this as the router's split-K GEMM and the sum of its partial products, a
+sigmoid-and-bias fusion, a sort for the top-k, a slice of its first k columns and a gather of the
+picked scores: six launches per MoE layer for a few hundred numbers (compiled for an H100, K3
+d_model 1024 with 15 MoE layers at batch 8: 90 of the step's 367 kernels). A decode step's kernels are
+mostly too small to fill the GPU, so each launch costs about its fixed latency.
 
 Design (Pallas Triton). One program holds every token's E scores in registers ([M, E] with M and E
 powers of two) and runs k rounds of: row max, the lowest column attaining it, record, mask out.
-`route_topk` pads N and E to powers of two (padding columns are never picked) and slices them off.
+`route_topk` starts from logits (N and E padded to powers of two; padding columns are never picked).
+`route_topk_from_x` also forms the logits, walking W_r [D, E] in row blocks: fp32 broadcast products
+for fewer than 16 tokens, a tensor-core tile product from 16. One program reads all of W_r, so it
+is for routers small enough that their read is short next to a launch (`route_from_x_supported`:
+at most `MAX_ROUTER_ELEMENTS` weights, e.g. d_model 1024 x 64 experts); larger routers keep XLA's
+GEMM, which spreads the read over the GPU, and pass its logits to `route_topk`.
 The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -30,10 +35,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, triton_params
+from pallas_kernels.common import default_interpret, tile_dot, triton_params
 
 # Scores a program holds in registers at most (M x E fp32 plus masks and indices of that size).
 MAX_ROUTE_ELEMENTS = 1 << 14
+# Router weights `route_topk_from_x`'s one program reads at most (256 KiB in bf16).
+MAX_ROUTER_ELEMENTS = 1 << 17
 
 
 def _pow2(n: int) -> int:
@@ -46,8 +53,14 @@ def route_topk_supported(n_tokens: int, n_experts: int, k: int) -> bool:
     return 0 < k <= n_experts and k == _pow2(k) and _pow2(n_tokens) * _pow2(n_experts) <= MAX_ROUTE_ELEMENTS
 
 
-def _route_kernel(logit_ref, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
-    s = jax.nn.sigmoid(logit_ref[...].astype(jnp.float32))
+def route_from_x_supported(n_tokens: int, d_model: int, n_experts: int, k: int) -> bool:
+    """Whether `route_topk_from_x` takes N tokens of width D over E experts with top-k: N, E and k
+    powers of two (so nothing is padded per step), D a multiple of 16, W_r at most `MAX_ROUTER_ELEMENTS`."""
+    return (route_topk_supported(n_tokens, n_experts, k) and n_tokens == _pow2(n_tokens)
+            and n_experts == _pow2(n_experts) and d_model % 16 == 0 and d_model * n_experts <= MAX_ROUTER_ELEMENTS)
+
+
+def _top_k_rounds(s, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
     M, Ep = s.shape
     k = idx_ref.shape[1]
     col = lax.broadcasted_iota(jnp.int32, (M, Ep), 1)
@@ -65,6 +78,26 @@ def _route_kernel(logit_ref, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
         picked = jnp.where(slot == j, p, picked)
     idx_ref[...] = idx
     w_ref[...] = picked / (jnp.sum(picked, axis=1, keepdims=True) + 1e-20) * scaling
+
+
+def _route_kernel(logit_ref, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
+    _top_k_rounds(jax.nn.sigmoid(logit_ref[...].astype(jnp.float32)), bias_ref, idx_ref, w_ref,
+                  n_experts=n_experts, scaling=scaling)
+
+
+def _route_x_kernel(x_ref, wr_ref, bias_ref, idx_ref, w_ref, *, block_d, scaling):
+    M, D = x_ref.shape
+    E = wr_ref.shape[1]
+
+    def step(i, acc):
+        rows = pl.ds(i * block_d, block_d)
+        x, w = x_ref[:, rows], wr_ref[rows, :]
+        if M >= 16:  # products of the stored values are exact in fp32; exact fp32 sums for fp32 inputs
+            return acc + tile_dot(x, w, ((1,), (0,)), x.dtype == jnp.float32 or w.dtype == jnp.float32)
+        return acc + jnp.sum(x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
+
+    logits = lax.fori_loop(0, D // block_d, step, jnp.zeros((M, E), jnp.float32))
+    _top_k_rounds(jax.nn.sigmoid(logits), bias_ref, idx_ref, w_ref, n_experts=E, scaling=scaling)
 
 
 def route_topk(logits_NE: jax.Array, bias_E: jax.Array, k: int, scaling: float = 1.0, *, num_warps: int = 0,
@@ -99,3 +132,36 @@ def route_topk(logits_NE: jax.Array, bias_E: jax.Array, k: int, scaling: float =
         interpret=interpret, compiler_params=triton_params(interpret, num_warps, 1), name="moe_route_topk",
     )(logits, bias_E.astype(jnp.float32))
     return (idx, w) if M == N else (idx[:N], w[:N])
+
+
+def route_topk_from_x(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, k: int, scaling: float = 1.0,
+                      *, block_d: int = 0, num_warps: int = 0, num_stages: int = 3, interpret: bool | None = None):
+    """`route_topk` of the logits x W_r, formed in the same kernel (fp32 products and sums).
+
+    x: [N, D] router inputs; w_router: [D, E]; bias: [E]; k, scaling: as `route_topk` (shapes:
+    `route_from_x_supported`); block_d: rows of W_r per loop step (0: 16 below 16 tokens, else 64);
+    num_warps: 0 for `route_topk`'s rule over the larger of the score tile and a step's products."""
+    N, D = x_ND.shape
+    E = w_router_DE.shape[-1]
+    if w_router_DE.shape != (D, E) or bias_E.shape != (E,):
+        raise ValueError(f"route_topk_from_x: x {x_ND.shape}, w_router {w_router_DE.shape} and bias "
+                         f"{bias_E.shape} do not match")
+    if not route_from_x_supported(N, D, E, k):
+        raise ValueError(f"route_topk_from_x: top-{k} of {E} experts for {N} tokens of width {D} is not "
+                         f"supported (N, E, k powers of two, D % 16 == 0, D x E <= {MAX_ROUTER_ELEMENTS})")
+    interpret = default_interpret() if interpret is None else interpret
+    block_d = min(block_d or (64 if N >= 16 else 16), D)
+    if D % block_d:
+        raise ValueError(f"route_topk_from_x: block_d = {block_d} does not divide D = {D}")
+    products = N * E * (1 if N >= 16 else block_d)
+    num_warps = num_warps or min(16, max(4, max(N * E, products) // 256))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_route_x_kernel, block_d=block_d, scaling=float(scaling)),
+        grid=(1,),
+        in_specs=[whole((N, D)), whole((D, E)), whole((E,))],
+        out_specs=[whole((N, k)), whole((N, k))],
+        out_shape=[jax.ShapeDtypeStruct((N, k), jnp.int32), jax.ShapeDtypeStruct((N, k), jnp.float32)],
+        interpret=interpret, compiler_params=triton_params(interpret, num_warps, num_stages),
+        name="moe_route_topk_from_x",
+    )(x_ND, w_router_DE, bias_E.astype(jnp.float32))

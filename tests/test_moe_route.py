@@ -10,7 +10,8 @@ from flax import nnx
 
 from conftest import greedy_step_logits, tiny_model_cfg
 from k3.moe.layer import DECODE_ROUTERS, MoE
-from pallas_kernels.moe_route import MAX_ROUTE_ELEMENTS, route_topk, route_topk_supported
+from pallas_kernels.moe_route import (MAX_ROUTE_ELEMENTS, MAX_ROUTER_ELEMENTS, route_from_x_supported, route_topk,
+                                      route_topk_from_x, route_topk_supported)
 
 
 def _route64(logits, bias, k, scaling):
@@ -58,7 +59,26 @@ def test_route_topk_ties_saturation_and_a_deciding_bias():
     assert float(w[0, 0]) < 1e-30  # picked by its bias, weighted by its score (sigmoid(-80))
 
 
-def test_route_topk_rejects_what_it_cannot_take():
+@pytest.mark.parametrize("N,D,E,k", [(1, 16, 8, 2), (2, 48, 16, 4), (8, 1024, 64, 4), (16, 32, 32, 8), (32, 64, 8, 1)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_route_topk_from_x_against_float64(N, D, E, k, dtype):
+    """The router matmul in the kernel: broadcast products below 16 tokens, a tile product from 16."""
+    rng = np.random.default_rng(N * 7 + D + E)
+    x = jnp.asarray(rng.normal(size=(N, D)), dtype)
+    w = jnp.asarray(rng.normal(size=(D, E)) / np.sqrt(D), dtype)
+    logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # of the values as stored
+    bias = rng.normal(size=E) * 0.01
+    want_idx, want_w = _route64(logits, bias, k, 2.0)
+    idx, wts = route_topk_from_x(x, w, jnp.asarray(bias, jnp.float32), k, 2.0)
+    s = 1.0 / (1.0 + np.exp(-logits)) + bias
+    ranked = -np.sort(-s, axis=1)
+    close = np.abs(ranked[:, k - 1] - ranked[:, k]) < 1e-5  # a near tie at the k-th place may go either way
+    np.testing.assert_array_equal(np.asarray(idx)[~close], want_idx[~close])
+    np.testing.assert_allclose(np.asarray(wts, np.float64)[~close], want_w[~close], rtol=1e-5, atol=1e-6)
+    assert close.mean() < 0.5
+
+
+def test_route_kernels_reject_what_they_cannot_take():
     z = jnp.zeros((4, 16), jnp.float32)
     with pytest.raises(ValueError, match="not supported"):
         route_topk(z, jnp.zeros(16), 3)  # k not a power of two
@@ -68,19 +88,30 @@ def test_route_topk_rejects_what_it_cannot_take():
         route_topk(z, jnp.zeros(15), 2)
     assert route_topk_supported(16, 1024, 16) and not route_topk_supported(17, 1024, 16)
     assert 32 * 1024 > MAX_ROUTE_ELEMENTS
+    with pytest.raises(ValueError, match="not supported"):
+        route_topk_from_x(jnp.zeros((3, 16)), jnp.zeros((16, 8)), jnp.zeros(8), 2)  # 3 tokens: would pad
+    with pytest.raises(ValueError, match="not supported"):
+        route_topk_from_x(jnp.zeros((2, 16)), jnp.zeros((16, 12)), jnp.zeros(12), 2)  # 12 experts
+    with pytest.raises(ValueError, match="do not match"):
+        route_topk_from_x(jnp.zeros((2, 16)), jnp.zeros((32, 8)), jnp.zeros(8), 2)
+    assert route_from_x_supported(8, 1024, 64, 4) and not route_from_x_supported(8, 7168, 896, 16)
+    assert 1024 * 256 > MAX_ROUTER_ELEMENTS
 
 
-@pytest.mark.parametrize("N,k", [(3, 2), (4, 3), (64, 4)])  # (4, 3), (64, 4): the XLA form is taken
-def test_decode_routers_agree(N, k):
+@pytest.mark.parametrize("N,D,E,k", [(2, 32, 8, 2), (3, 16, 10, 2), (4, 16, 10, 3), (64, 32, 64, 4)])
+def test_decode_routers_agree(N, D, E, k):
+    """Each of 'pallas''s three forms (router matmul in the kernel; XLA's logits and the kernel; XLA)
+    gives the float64 selection."""
     rng = np.random.default_rng(N + k)
-    E = 64 if N == 64 else 10
-    logits = jnp.asarray(_spread_logits(rng, N, E), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(D, E)), jnp.float32)
     bias = jnp.asarray(rng.normal(size=E) * 0.01, jnp.float32)
-    want_idx, want_w = _route64(logits, bias, k, 1.5)
+    want_idx, want_w = _route64(np.asarray(x, np.float64) @ np.asarray(w, np.float64), bias, k, 1.5)
     for name in ("xla", "pallas"):
-        idx, w = DECODE_ROUTERS.get(name)(logits, bias, k, 1.5)
+        with jax.default_matmul_precision("float32"):
+            idx, wts = DECODE_ROUTERS.get(name)(x, w, bias, k, 1.5)
         np.testing.assert_array_equal(np.asarray(idx), want_idx)
-        np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(wts, np.float64), want_w, rtol=1e-5, atol=1e-6)
     assert DECODE_ROUTERS.resolve("auto", "cpu") == "xla"
 
 
@@ -96,7 +127,7 @@ def test_moe_decode_call_routes_through_the_decode_router():
     x = jax.random.normal(jax.random.key(1), (2, 3, cfg.d_model))
     y_dec, _ = moe(x, decode=True)
     y_train, _ = moe(x)
-    assert calls == [(6, cfg.moe.n_experts)]
+    assert calls == [(6, cfg.d_model)]
     np.testing.assert_allclose(y_dec, y_train, rtol=2e-5, atol=2e-5)
 
 

@@ -33,7 +33,7 @@ expert, so it drops nothing (top-k experts are distinct, so no expert gets more 
 backends in `ANY_ROUTES_DECODE` ('grouped', which reads each expert once whatever its routes) take such
 calls of at most that many tokens themselves, without the capacity backend's sort and scatter.
 Those decoding calls pick their experts with an entry of `DECODE_ROUTERS` (``model.moe.decode_route_impl``:
-'xla', or 'pallas', `pallas_kernels.moe_route`'s one-kernel top-k), the same selection as `MoE.route`'s.
+'xla', or 'pallas', `pallas_kernels.moe_route`'s kernels), the same selection as `MoE.route`'s.
 """
 
 from __future__ import annotations
@@ -185,30 +185,36 @@ FUSED_OUTPUTS = "w_out"  # `MoE.fuse_outputs`' stacked output matrix, an attribu
 # at widths their kernels take): one pass per expert however many routes it has, so nothing drops.
 ANY_ROUTES_DECODE = {"grouped"}
 
-# A decoding call's routing after the router matmul, keyed by ``model.moe.decode_route_impl``:
-#   'xla'     `MoE.route` (sigmoid, top-k sort, slice and gather: four launches per layer on a GPU);
-#   'pallas'  `pallas_kernels.moe_route.route_topk` (one launch; shapes it does not take use 'xla').
-# An entry maps (logits [N, E] fp32, bias [E], k, scaling) to (idx [N, k] int32, weights [N, k] fp32).
+# A decoding call's routing, keyed by ``model.moe.decode_route_impl``:
+#   'xla'     `MoE.route`'s ops (the router GEMM and its partial sums, sigmoid, a top-k sort, slice and
+#             gather: six launches per layer on a GPU);
+#   'pallas'  `pallas_kernels.moe_route`: one kernel with the router matmul in it for small routers,
+#             else XLA's GEMM and one kernel for the rest (shapes neither takes use 'xla').
+# An entry maps (x [N, D], router weight [D, E], bias [E], k, scaling) to (idx [N, k] int32, weights
+# [N, k] fp32), the selection of `MoE.route` without the balancing threshold.
 DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla")
 
 
 @DECODE_ROUTERS.register("xla")
-def xla_route(logits_NE, bias_E, k, scaling):
-    """`MoE.route`'s selection and combine weights, from the router logits."""
-    scores = jax.nn.sigmoid(logits_NE)
+def xla_route(x_ND, w_router_DE, bias_E, k, scaling):
+    """`MoE.route`'s selection and combine weights."""
+    scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ w_router_DE.astype(jnp.float32))
     idx, _ = balancing.topk_route(scores, bias_E, k)
     picked = jnp.take_along_axis(scores, idx, axis=-1)
     return idx, picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * scaling
 
 
 @DECODE_ROUTERS.register("pallas")
-def pallas_route(logits_NE, bias_E, k, scaling):
-    """`pallas_kernels.moe_route.route_topk`, or `xla_route` for shapes it does not take."""
-    from pallas_kernels.moe_route import route_topk, route_topk_supported
+def pallas_route(x_ND, w_router_DE, bias_E, k, scaling):
+    """`pallas_kernels.moe_route.route_topk_from_x`, else XLA's logits and `route_topk`, else `xla_route`."""
+    from pallas_kernels.moe_route import route_from_x_supported, route_topk, route_topk_from_x, route_topk_supported
 
-    if not route_topk_supported(*logits_NE.shape, k):
-        return xla_route(logits_NE, bias_E, k, scaling)
-    return route_topk(logits_NE, bias_E, k, scaling)
+    (N, D), E = x_ND.shape, w_router_DE.shape[-1]
+    if route_from_x_supported(N, D, E, k):
+        return route_topk_from_x(x_ND, w_router_DE, bias_E, k, scaling)
+    if route_topk_supported(N, E, k):
+        return route_topk(x_ND.astype(jnp.float32) @ w_router_DE.astype(jnp.float32), bias_E, k, scaling)
+    return xla_route(x_ND, w_router_DE, bias_E, k, scaling)
 
 
 @DECODE_EXPERTS.register("gather")
@@ -290,13 +296,9 @@ class MoE(nnx.Module):
                               dtype=self.dtype, rngs=rngs, beta_gate=cfg.situ_beta_gate,
                               beta_up=cfg.situ_beta_up) if e.shared_dim > 0 else None)
 
-    def router_logits(self, x_ND: jax.Array) -> jax.Array:
-        """The router's logits [N, E] in fp32."""
-        return x_ND.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-
     def route(self, x_ND: jax.Array):
         """Router: (expert ids [N, k], combine weights [N, k] fp32, scores [N, E], alpha [N] or None)."""
-        scores = jax.nn.sigmoid(self.router_logits(x_ND))
+        scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ self.router[...].astype(jnp.float32))
         bias = jax.lax.stop_gradient(self.router_bias[...])
         idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k,
                                           extra=self.balancer.extra_routes)
@@ -323,7 +325,7 @@ class MoE(nnx.Module):
             with jax.named_scope("routed_experts"):
                 if decode and self._decode_backend_takes(idx.shape[0], idx.size, w_gate.shape[1:]):
                     # The same selection as `route`'s (whose XLA ops then only feed the unused statistics).
-                    idx, weights = self.decode_route(self.router_logits(x), jax.lax.stop_gradient(
+                    idx, weights = self.decode_route(x, self.router[...], jax.lax.stop_gradient(
                         self.router_bias[...]), self.top_k, self.scaling)
                     out_NkL = self.decode_experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas)
                     dropped = jnp.zeros((), jnp.int32)
