@@ -68,7 +68,7 @@ def default_config() -> ConfigDict:
     a.attention_impl = "auto"  # k3.mla.ATTENTION: 'auto' ('flash' on GPU, 'xla' elsewhere), 'xla', 'cudnn',
     # 'pallas', 'flash' (document-skipping Pallas kernel)
     a.decode_impl = "auto"  # k3.mla.DECODE_ATTENTION over the latent cache: 'auto' ('pallas' on GPU, 'xla'
-    # elsewhere), 'xla', 'pallas'
+    # elsewhere), 'xla', 'pallas', 'pallas_merged' (a decode step's split merge in a kernel too)
 
     k = m.kda = ConfigDict()
     k.n_heads = 4

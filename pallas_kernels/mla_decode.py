@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import default_interpret, pow2_at_least_16, tile_dot, triton_params
 
-__all__ = ["latent_attention_partial", "merge_partials", "EMPTY_M"]
+__all__ = ["latent_attention_partial", "latent_decode_step", "merge_partials", "EMPTY_M"]
 
 EMPTY_M = -1e30  # m of an empty part (finite "minus infinity": exp(EMPTY_M - M) = 0, never NaN)
 _TARGET_PROGRAMS = 4 * 132  # ~4 programs per H200 SM
@@ -146,18 +146,35 @@ def latent_attention_partial(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, *, 
     query-row tile (power of two >= 16); ``num_splits``: S splits per row (None: see the module
     docstring). ``interpret=None``: compiled on a GPU, interpreted elsewhere (`default_interpret`).
     """
+    q, qr, c, r, start, cfg, n_mt = _prepare(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, scale, block_s, block_m,
+                                             num_splits, interpret, num_warps, num_stages, "latent_attention_partial")
+    B, T, H, R = q_lat_BTHR.shape
+    o, m, l = _split_partials(q, qr, c, r, start, cfg, n_mt, B)
+    # Merge the splits (log-sum-exp rule); empty splits carry m = EMPTY_M, l = 0, o = 0.
+    m_all = jnp.max(m, axis=1)  # [B, Mp]
+    w = jnp.exp(m - m_all[:, None])  # [B, splits, Mp]
+    o = jnp.einsum("bjm,bjmr->bmr", w, o, precision=lax.Precision.HIGHEST)
+    l = jnp.sum(w * l, axis=1)
+    o = o[:, : T * H, :R].reshape(B, T, H, R)
+    return o, m_all[:, : T * H].reshape(B, T, H), l[:, : T * H].reshape(B, T, H)
+
+
+def _prepare(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, scale, block_s, block_m, num_splits, interpret,
+             num_warps, num_stages, who: str):
+    """Checked, padded kernel inputs (q [B, Mp, Rp], qr [B, Mp, Ep], c [B, Sp, Rp], r [B, Sp, Ep], start
+    [B, 16]), the kernel config and the number of query-row tiles; ``who`` names the caller in errors."""
     if q_lat_BTHR.ndim != 4 or q_rope_BTHE.shape[:3] != q_lat_BTHR.shape[:3]:
-        raise ValueError(f"latent_attention_partial: q_lat must be [B, T, H, R] and q_rope [B, T, H, E]; "
+        raise ValueError(f"{who}: q_lat must be [B, T, H, R] and q_rope [B, T, H, E]; "
                          f"got {q_lat_BTHR.shape}, {q_rope_BTHE.shape}")
     B, T, H, R = q_lat_BTHR.shape
     E = q_rope_BTHE.shape[-1]
     S = c_BSR.shape[1]
     if c_BSR.shape != (B, S, R) or r_BSE.shape != (B, S, E) or tuple(start_B.shape) != (B,):
-        raise ValueError(f"latent_attention_partial: expected c [B, S, R] = {(B, S, R)}, r [B, S, E] = "
+        raise ValueError(f"{who}: expected c [B, S, R] = {(B, S, R)}, r [B, S, E] = "
                          f"{(B, S, E)}, start [B]; got {c_BSR.shape}, {r_BSE.shape}, {start_B.shape}")
     for name, v in (("block_s", block_s), ("block_m", block_m)):
         if v < 16 or v & (v - 1):
-            raise ValueError(f"latent_attention_partial: {name} must be a power of two >= 16; got {v}")
+            raise ValueError(f"{who}: {name} must be a power of two >= 16; got {v}")
     interpret = default_interpret() if interpret is None else bool(interpret)
     while block_s > 16 and S % block_s:
         block_s //= 2
@@ -168,7 +185,7 @@ def latent_attention_partial(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, *, 
     n_mt = Mp // BM
     splits = _auto_splits(B, n_mt, Sp // block_s) if num_splits is None else int(num_splits)
     if splits < 1:
-        raise ValueError(f"latent_attention_partial: num_splits must be >= 1; got {splits}")
+        raise ValueError(f"{who}: num_splits must be >= 1; got {splits}")
     exact = all(jnp.dtype(x.dtype).itemsize >= 4 for x in (c_BSR, r_BSE))
     cfg = _Cfg(BM=BM, BS=block_s, Rp=Rp, Ep=Ep, splits=splits, scale=float(scale), interpret=interpret,
                exact=exact, num_warps=num_warps, num_stages=num_stages)
@@ -182,8 +199,14 @@ def latent_attention_partial(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, *, 
     qr = jnp.pad(qr, ((0, 0), (0, Mp - T * H), (0, Ep - E)))
     start = jnp.clip(jnp.asarray(start_B).astype(jnp.int32), 0, S)
     start = jnp.broadcast_to(start[:, None], (B, _START_LANES))
+    return q, qr, c, r, start, cfg, n_mt
 
-    o, m, l = pl.pallas_call(
+
+def _split_partials(q, qr, c, r, start, cfg: _Cfg, n_mt: int, B: int):
+    """The split kernel's (o [B, splits, Mp, Rp], m [B, splits, Mp], l [B, splits, Mp]) for padded inputs."""
+    Sp, Rp, Ep, BM, splits = c.shape[1], cfg.Rp, cfg.Ep, cfg.BM, cfg.splits
+    Mp = q.shape[1]
+    return pl.pallas_call(
         functools.partial(_kernel, cfg=cfg), grid=(n_mt, splits, B),
         in_specs=[pl.BlockSpec((None, BM, Rp), lambda i, j, b: (b, i, 0)),
                   pl.BlockSpec((None, BM, Ep), lambda i, j, b: (b, i, 0)),
@@ -196,14 +219,72 @@ def latent_attention_partial(q_lat_BTHR, q_rope_BTHE, c_BSR, r_BSE, start_B, *, 
         out_shape=[jax.ShapeDtypeStruct((B, splits, Mp, Rp), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, Mp), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, Mp), jnp.float32)],
-        interpret=interpret, name="mla_latent_decode",
+        interpret=cfg.interpret, name="mla_latent_decode",
         compiler_params=triton_params(cfg.interpret, cfg.num_warps, cfg.num_stages),
     )(q, qr, c, r, start)
 
-    # Merge the splits (log-sum-exp rule); empty splits carry m = EMPTY_M, l = 0, o = 0.
-    m_all = jnp.max(m, axis=1)  # [B, Mp]
-    w = jnp.exp(m - m_all[:, None])  # [B, splits, Mp]
-    o = jnp.einsum("bjm,bjmr->bmr", w, o, precision=lax.Precision.HIGHEST)
-    l = jnp.sum(w * l, axis=1)
-    o = o[:, : T * H, :R].reshape(B, T, H, R)
-    return o, m_all[:, : T * H].reshape(B, T, H), l[:, : T * H].reshape(B, T, H)
+
+def _merge_kernel(o_ref, m_ref, l_ref, q_ref, qr_ref, cn_ref, rn_ref, out_ref, *, splits, scale):
+    """One (row, query-row tile, latent column block): the splits' log-sum-exp merge, then the new
+    token's own key, then the division by the softmax sum."""
+    def top(j, mx):
+        return jnp.maximum(mx, m_ref[j])
+
+    m_all = lax.fori_loop(0, splits, top, jnp.full(m_ref.shape[1:], EMPTY_M, jnp.float32))
+
+    def add(j, carry):
+        o, l = carry
+        w = jnp.exp(m_ref[j] - m_all)
+        return o + w[:, None] * o_ref[j], l + w * l_ref[j]
+
+    o, l = lax.fori_loop(0, splits, add, (jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros(m_all.shape, jnp.float32)))
+    # The new token's score against itself; its softmax weight relative to its own max is exp(0) = 1.
+    f32 = jnp.float32
+    s_new = scale * (jnp.sum(q_ref[...].astype(f32) * cn_ref[...].astype(f32)[None, :], axis=1)
+                     + jnp.sum(qr_ref[...].astype(f32) * rn_ref[...].astype(f32)[None, :], axis=1))
+    mx = jnp.maximum(m_all, s_new)
+    a_old, a_new = jnp.exp(m_all - mx), jnp.exp(s_new - mx)
+    j = pl.program_id(2)
+    bR = out_ref.shape[1]
+    c_cols = cn_ref[pl.ds(j * bR, bR)].astype(f32)
+    out_ref[...] = (a_old[:, None] * o + a_new[:, None] * c_cols[None, :]) / (a_old * l + a_new)[:, None]
+
+
+def latent_decode_step(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new_BTR, r_new_BTE, start_B, *, scale,
+                       block_s=64, block_m=64, block_r=32, num_splits=None, interpret=None, num_warps=4,
+                       num_stages=2):
+    """Attention of one new token per row (T = 1) over its cached positions s < start_B[b] and itself:
+    o [B, 1, H, R] fp32, normalised. The split kernel's partial sums, the new token's own score and the
+    softmax division are merged in a second kernel (grid: rows x query-row tiles x latent column blocks
+    of ``block_r``), instead of about five XLA kernels. Shapes as `latent_attention_partial`, with
+    c_new [B, 1, R] and r_new [B, 1, E] the new token's cache entries (in the cache dtype)."""
+    B, T, H, R = q_lat_BTHR.shape
+    E = q_rope_BTHE.shape[-1]
+    if T != 1 or c_new_BTR.shape != (B, 1, R) or r_new_BTE.shape != (B, 1, E):
+        raise ValueError(f"latent_decode_step: one new token per row: q_lat {q_lat_BTHR.shape}, c_new "
+                         f"{c_new_BTR.shape}, r_new {r_new_BTE.shape}")
+    q, qr, c, r, start, cfg, n_mt = _prepare(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, start_B, scale, block_s,
+                                             block_m, num_splits, interpret, num_warps, num_stages,
+                                             "latent_decode_step")
+    o, m, l = _split_partials(q, qr, c, r, start, cfg, n_mt, B)
+    Rp, Ep, BM = cfg.Rp, cfg.Ep, cfg.BM
+    Mp = q.shape[1]
+    bR = min(block_r, Rp)
+    cn = jnp.pad(c_new_BTR[:, 0].astype(c.dtype), ((0, 0), (0, Rp - R)))
+    rn = jnp.pad(r_new_BTE[:, 0].astype(r.dtype), ((0, 0), (0, Ep - E)))
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, splits=cfg.splits, scale=cfg.scale),
+        grid=(B, n_mt, Rp // bR),
+        in_specs=[pl.BlockSpec((None, cfg.splits, BM, bR), lambda b, i, j: (b, 0, i, j)),
+                  pl.BlockSpec((None, cfg.splits, BM), lambda b, i, j: (b, 0, i)),
+                  pl.BlockSpec((None, cfg.splits, BM), lambda b, i, j: (b, 0, i)),
+                  pl.BlockSpec((None, BM, Rp), lambda b, i, j: (b, i, 0)),
+                  pl.BlockSpec((None, BM, Ep), lambda b, i, j: (b, i, 0)),
+                  pl.BlockSpec((None, Rp), lambda b, i, j: (b, 0)),
+                  pl.BlockSpec((None, Ep), lambda b, i, j: (b, 0))],
+        out_specs=pl.BlockSpec((None, BM, bR), lambda b, i, j: (b, i, j)),
+        out_shape=jax.ShapeDtypeStruct((B, Mp, Rp), jnp.float32),
+        interpret=cfg.interpret, name="mla_latent_decode_merge",
+        compiler_params=triton_params(cfg.interpret, cfg.num_warps, 1),
+    )(o, m, l, q, qr, cn, rn)
+    return out[:, :H, :R].reshape(B, 1, H, R)

@@ -497,12 +497,14 @@ def test_fuse_inputs_refuses_weights_of_another_input_width():
     assert mixer.w_q is not None  # nothing was replaced
 
 
-def test_pallas_latent_decode_attention_equals_the_xla_form():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_merged"])
+def test_pallas_latent_decode_attention_equals_the_xla_form(impl):
     """`model.mla.decode_impl='pallas'` (the split-S kernel over the cached latents, interpreted on a
-    CPU, compiled on a GPU) gives the XLA form's logits: a ragged prefill, single-token steps and a
-    3-token extend. Full-precision matmuls throughout: the kernel's fp32 dots are exact, while XLA's
-    fp32 einsums would run as TF32 on a GPU (1.7e-5 apart on these logits, measured on an H200)."""
-    cfg = tiny_model_cfg(**{"mla.decode_impl": "pallas"})
+    CPU, compiled on a GPU; 'pallas_merged' with the single-token steps' merge kernel) gives the XLA
+    form's logits: a ragged prefill, single-token steps and a 3-token extend. Full-precision matmuls
+    throughout: the kernel's fp32 dots are exact, while XLA's fp32 einsums would run as TF32 on a GPU
+    (1.7e-5 apart on these logits, measured on an H200)."""
+    cfg = tiny_model_cfg(**{"mla.decode_impl": impl})
     kernel = Model(cfg, rngs=nnx.Rngs(4))
     cfg.mla.decode_impl = "xla"
     ref = Model(cfg, rngs=nnx.Rngs(4))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from pallas_kernels.mla_decode import EMPTY_M, latent_attention_partial, merge_partials
+from pallas_kernels.mla_decode import EMPTY_M, latent_attention_partial, latent_decode_step, merge_partials
 
 STARTS = [0, 1, 63, 64, 191, 192]
 # Measured (CPU, interpret): o / l error 6e-8 .. 2e-7 (fp32), 3e-4 .. 4e-4 (bf16: p rounded to bf16);
@@ -138,3 +138,33 @@ def test_empty_rows_merge_to_new_part_alone():
     c_bad = c.at[:, :].set(jnp.inf)
     part_bad = latent_attention_partial(q, qr, c_bad, r, jnp.zeros((B,), jnp.int32), scale=scale, interpret=True)
     assert np.all(np.asarray(part_bad[0]) == 0) and np.all(np.asarray(part_bad[2]) == 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("splits,block_r", [(1, 32), (3, 16), (None, 64)])
+def test_decode_step_merges_the_splits_and_the_new_token(dtype, splits, block_r):
+    """`latent_decode_step` (split kernel + merge kernel) against float64 attention over the cached
+    positions s < start and the new token itself, normalised: starts at block edges and 0 (the new
+    token alone), R = 40 and E = 12 padded, several latent column blocks per program row."""
+    rng = np.random.default_rng(7 + (splits or 0) + block_r)
+    B, H, S, R, E, scale = len(STARTS), 5, 192, 40, 12, 0.15
+    q, qr, c, r = _inputs(rng, B, 1, H, S, R, E, jnp.dtype(dtype))
+    _, _, c_new, r_new = _inputs(rng, B, 1, 1, 1, R, E, jnp.dtype(dtype))
+    start = jnp.asarray(STARTS, jnp.int32)
+    got = latent_decode_step(q, qr, c, r, c_new, r_new, start, scale=scale, block_s=64, num_splits=splits,
+                             block_r=block_r, interpret=True)
+    assert got.shape == (B, 1, H, R) and got.dtype == jnp.float32
+    # float64: the cache padded with the new token at position start[b], attended up to start[b] + 1.
+    c_all = np.concatenate([_f64(c), np.zeros((B, 1, R))], axis=1)
+    r_all = np.concatenate([_f64(r), np.zeros((B, 1, E))], axis=1)
+    for b, s0 in enumerate(STARTS):
+        c_all[b, s0], r_all[b, s0] = _f64(c_new)[b, 0], _f64(r_new)[b, 0]
+    o, _, l = _reference(q, qr, c_all, r_all, start + 1, scale)
+    assert _err(got, o / l[..., None]) < TOL[dtype]
+
+
+def test_decode_step_rejects_more_than_one_token():
+    rng = np.random.default_rng(0)
+    q, qr, c, r = _inputs(rng, 2, 2, 2, 32, 16, 16, jnp.float32)
+    with pytest.raises(ValueError, match="one new token per row"):
+        latent_decode_step(q, qr, c, r, c[:, :2], r[:, :2], jnp.zeros((2,), jnp.int32), scale=0.1, interpret=True)

@@ -25,7 +25,9 @@ latents is an entry of `DECODE_ATTENTION`, keyed by ``model.mla.decode_impl``:
   'pallas'        `pallas_kernels.mla_decode`: split-S flash decoding that reads each row's cached
                   latents once and only up to its length ('auto' on a GPU: on an H200 the all-MLA
                   model's step at 32K context, batch 8, takes 3.40 ms against 6.19 ms with 'xla',
-                  BENCHMARKS.md); interpreted off the GPU.
+                  BENCHMARKS.md); interpreted off the GPU;
+  'pallas_merged' the same, and for one new token per row a second kernel that merges the splits
+                  with the token's own key (`latent_decode_step`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,21 @@ def decode_attention_pallas(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new
     o_new = jnp.einsum("bthu,bur->bthr", e_new.astype(c_new_BTR.dtype), c_new_BTR, preferred_element_type=f32)
     o, _, l = merge_partials(o_old, m_old, l_old, o_new, m_new, jnp.sum(e_new, axis=-1))
     return o / l[..., None]
+
+
+@DECODE_ATTENTION.register("pallas_merged")
+def decode_attention_pallas_merged(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new_BTR, r_new_BTE, start_B,
+                                   scale: float) -> jax.Array:
+    """'pallas' with, for one new token per row (a decode step), the splits' merge, the token's own
+    score and the softmax division in a second kernel (`pallas_kernels.mla_decode.latent_decode_step`)
+    instead of about five XLA kernels. Same shapes."""
+    from pallas_kernels.mla_decode import latent_decode_step
+
+    if q_lat_BTHR.shape[1] != 1:
+        return decode_attention_pallas(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new_BTR, r_new_BTE, start_B,
+                                       scale)
+    return latent_decode_step(q_lat_BTHR, q_rope_BTHE, c_old_BSR, r_old_BSE, c_new_BTR, r_new_BTE, start_B,
+                              scale=scale)
 
 
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
