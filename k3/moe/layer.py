@@ -195,13 +195,18 @@ ANY_ROUTES_DECODE = {"grouped"}
 DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla")
 
 
+def combine_weights(scores_NE: jax.Array, idx_Nk: jax.Array, scaling: float) -> jax.Array:
+    """The picked experts' scores [N, k] normalised to sum to ``scaling`` per token (fp32)."""
+    picked = jnp.take_along_axis(scores_NE, idx_Nk, axis=-1)
+    return picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * scaling
+
+
 @DECODE_ROUTERS.register("xla")
 def xla_route(x_ND, w_router_DE, bias_E, k, scaling):
     """`MoE.route`'s selection and combine weights."""
     scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ w_router_DE.astype(jnp.float32))
     idx, _ = balancing.topk_route(scores, bias_E, k)
-    picked = jnp.take_along_axis(scores, idx, axis=-1)
-    return idx, picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * scaling
+    return idx, combine_weights(scores, idx, scaling)
 
 
 @DECODE_ROUTERS.register("pallas")
@@ -302,9 +307,7 @@ class MoE(nnx.Module):
         bias = jax.lax.stop_gradient(self.router_bias[...])
         idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k,
                                           extra=self.balancer.extra_routes)
-        picked = jnp.take_along_axis(scores, idx, axis=-1)
-        weights = picked / (jnp.sum(picked, axis=-1, keepdims=True) + 1e-20) * self.scaling
-        return idx, weights, scores, alpha
+        return idx, combine_weights(scores, idx, self.scaling), scores, alpha
 
     def __call__(self, x_BTD: jax.Array, decode: bool = False):
         """y [B, T, D] and routing statistics {'load': [E] token counts, 'balance': see `stats`}.
