@@ -5,9 +5,9 @@ XLA's gathered experts (`k3.moe.layer.gathered_experts`), side by side, as fract
 
 Shape NxKxExDxF: N tokens, top-K routes each (distinct experts per token, drawn at random), E experts
 of width D and hidden F (K3's served d_model 1024 model: 64 experts, top 4, latent 512, hidden 1024).
-Variants: block_in:block_out:warps:stages[:d|:g] (`routed_glu`'s tile rows, tile columns, Triton warps and
-pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g: `grouped_glu`, the
-routes grouped by expert, with these tiles). bf16 weights and
+Variants: block_in:block_out:warps:stages[:d|:g[N]] (`routed_glu`'s tile rows, tile columns, Triton warps
+and pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g: `grouped_glu`, the
+routes grouped by expert, with these tiles; gN: with N columns per down-projection program). bf16 weights and
 inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back
 (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move at least (each distinct routed
 expert's three matrices once, plus x and y), that over the time as a fraction of the device's HBM
@@ -59,21 +59,23 @@ def bench(shape, variants, iters):
         parts = v.split(":")
         flag = parts[4] if len(parts) == 5 else ""
         try:
-            if len(parts) not in (4, 5) or flag not in ("", "d", "g"):
+            if len(parts) not in (4, 5) or not (flag in ("", "d", "g") or (flag[:1] == "g" and flag[1:].isdigit())):
                 raise ValueError
             b_in, b_out, warps, stages = (int(p) for p in parts[:4])
         except ValueError:
-            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages[:d|:g]; got {v!r}") from None
+            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages[:d|:g[N]]; got {v!r}") from None
         tiles = dict(block_in=b_in, block_out=b_out, num_warps=warps, num_stages=stages)
+        down = dict(block_out_down=int(flag[1:])) if flag[1:].isdigit() else {}
 
         def run(x, i, a, b, c, tiles=tiles, defer=flag == "d"):
             y = routed_glu(jnp.repeat(x, K, axis=0), i.reshape(-1), a, b, c, act=act, defer_sum=defer, **tiles)
             return y.reshape(N, K, -1)
 
-        def run_grouped(x, i, a, b, c, tiles=tiles):
-            return grouped_glu(x, i, a, b, c, act=act, **tiles)
+        def run_grouped(x, i, a, b, c, tiles=tiles, down=down):
+            return grouped_glu(x, i, a, b, c, act=act, **tiles, **down)
 
-        impls.append(("grouped", v, jax.jit(run_grouped)) if flag == "g" else ("pallas", v, jax.jit(run)))
+        grouped = flag[:1] == "g"
+        impls.append(("grouped", v, jax.jit(run_grouped)) if grouped else ("pallas", v, jax.jit(run)))
     args = (x, idx, wg, wu, wd)
     ref = np.asarray(gather(*args), np.float32)
     rows = []
@@ -91,9 +93,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8x4x64x512x1024", help="NxKxExDxF")
-    ap.add_argument("--variants", default="64:128:4:3,128:128:8:3,64:64:4:3,128:128:8:3:g,64:128:8:3:g,"
-                    "128:64:4:3:g,64:256:8:3:g,128:128:4:2:g,32:128:4:4:g",
-                    help="block_in:block_out:warps:stages[:d|:g], comma-separated")
+    ap.add_argument("--variants", default="64:128:4:3,128:128:8:3,64:64:4:3,128:128:8:3:g,128:128:8:3:g64,"
+                    "128:128:8:3:g32,64:128:8:3:g,128:64:4:3:g,128:64:4:3:g32,64:256:8:3:g,128:128:4:2:g,"
+                    "32:128:4:4:g",
+                    help="block_in:block_out:warps:stages[:d|:g[N]], comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)

@@ -182,7 +182,8 @@ def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact)
 
 
 def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
-                block_out: int = 128, num_warps: int = 8, num_stages: int = 3, interpret: bool | None = None):
+                block_out: int = 128, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
+                interpret: bool | None = None):
     """y [N, k, D] (x's dtype): token n's gated FFN through expert idx[n, j], each routed expert's weights
     read once for all its routes (see the module docstring).
 
@@ -190,7 +191,11 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     [..., n] -> [..., n], elementwise; block_in / block_out: a weight tile's rows (the reduction step) and
     columns (one program's outputs); block_in 0: 128 for up to 16 tokens, else 64, so that the pipeline's
     tiles (M x block_in tokens and two block_in x block_out weight tiles per stage) stay inside Hopper's
-    227 KiB of shared memory (128 at M = 64 would need 240 KiB with 3 stages, `compile_report`)."""
+    227 KiB of shared memory (128 at M = 64 would need 240 KiB with 3 stages, `compile_report`);
+    block_out_down: the down-projection's columns per program (0: block_out). Its grid has D / block_out
+    programs per used expert against F / block_out for gate/up, so with D < F fewer columns per program
+    keep as many programs streaming weights (at 8 tokens, top-4 of 64 experts, D 512, F 1024: about 84
+    working programs at 128 columns for an H100's 132 SMs, 168 at 64)."""
     N, D = x_ND.shape
     E, _, F = w_gate_EDF.shape
     k = idx_Nk.shape[-1]
@@ -211,7 +216,7 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     exact = jnp.dtype(x_ND.dtype) == jnp.float32
     block_in = block_in or (128 if M <= 16 else 64)
     bf, bd_in = min(block_out, F), min(block_in, D)
-    bd, bf_in = min(block_out, D), min(block_in, F)
+    bd, bf_in = min(block_out_down or block_out, D), min(block_in, F)
     routes_spec = pl.BlockSpec((routes,), lambda e, j: (0,))
     h = pl.pallas_call(
         functools.partial(_grouped_gate_up_kernel, act=act, block_d=bd_in, D=D, exact=exact),

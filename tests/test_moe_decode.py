@@ -65,14 +65,14 @@ def _distinct_routes(rng, N, k, E, skew):
     return np.argsort(rng.uniform(size=(N, E)), axis=1)[:, :k]
 
 
-@pytest.mark.parametrize("N,k,E,D,F,block_in,block_out,skew", [
-    (1, 1, 3, 16, 16, 0, 128, False),      # one token, one route
-    (3, 2, 8, 32, 64, 16, 32, False),       # N k < E
-    (9, 4, 8, 64, 16, 32, 16, False),       # N k >= E
-    (20, 3, 5, 16, 32, 0, 128, True),       # every token on the same experts; N > 16 (M = 32)
+@pytest.mark.parametrize("N,k,E,D,F,block_in,block_out,down,skew", [
+    (1, 1, 3, 16, 16, 0, 128, 0, False),      # one token, one route
+    (3, 2, 8, 32, 64, 16, 32, 16, False),      # N k < E; narrower down-projection programs
+    (9, 4, 8, 64, 16, 32, 16, 32, False),      # N k >= E; wider ones
+    (20, 3, 5, 16, 32, 0, 128, 0, True),       # every token on the same experts; N > 16 (M = 32)
 ])
 @pytest.mark.parametrize("kind", ["situ", "swiglu"])
-def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, skew, kind, x64):
+def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, down, skew, kind, x64):
     rng = np.random.default_rng(N * 100 + E)
     x = rng.normal(size=(N, D))
     idx = _distinct_routes(rng, N, k, E, skew)
@@ -81,7 +81,7 @@ def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, 
     want = _loop64(np.repeat(x, k, axis=0), idx.reshape(-1), wg, wu, wd, kind).reshape(N, k, D)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     got = grouped_glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
-                      block_out=block_out)
+                      block_out=block_out, block_out_down=down)
     assert got.shape == (N, k, D) and got.dtype == jnp.float32
     assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
