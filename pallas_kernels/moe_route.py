@@ -18,8 +18,8 @@ mostly too small to fill the GPU, so each launch costs about its fixed latency.
 Design (Pallas Triton). One program holds every token's E scores in registers ([M, E] with M and E
 powers of two) and runs k rounds of: row max, the lowest column attaining it, record, mask out.
 `route_topk` starts from logits (N and E padded to powers of two; padding columns are never picked).
-`route_topk_from_x` also forms the logits, walking W_r [D, E] in row blocks: fp32 broadcast products
-for fewer than 16 tokens, a tensor-core tile product from 16. One program reads all of W_r, so it
+`route_topk_from_x` also forms the logits, walking W_r [D, E] in row blocks: a tensor-core tile product
+from 16 tokens and 16 experts, fp32 broadcast products below. One program reads all of W_r, so it
 is for routers small enough that their read is short next to a launch (`route_from_x_supported`:
 at most `MAX_ROUTER_ELEMENTS` weights, e.g. d_model 1024 x 64 experts); larger routers keep XLA's
 GEMM, which spreads the read over the GPU, and pass its logits to `route_topk`.
@@ -86,14 +86,14 @@ def _route_kernel(logit_ref, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
                   n_experts=n_experts, scaling=scaling)
 
 
-def _route_x_kernel(x_ref, wr_ref, bias_ref, idx_ref, w_ref, *, block_d, scaling):
+def _route_x_kernel(x_ref, wr_ref, bias_ref, idx_ref, w_ref, *, block_d, tensor_core, scaling):
     M, D = x_ref.shape
     E = wr_ref.shape[1]
 
     def step(i, acc):
         rows = pl.ds(i * block_d, block_d)
         x, w = x_ref[:, rows], wr_ref[rows, :]
-        if M >= 16:  # products of the stored values are exact in fp32; exact fp32 sums for fp32 inputs
+        if tensor_core:  # products of the stored values are exact in fp32; exact fp32 sums for fp32 inputs
             return acc + tile_dot(x, w, ((1,), (0,)), x.dtype == jnp.float32 or w.dtype == jnp.float32)
         return acc + jnp.sum(x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
 
@@ -140,8 +140,9 @@ def route_topk_from_x(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array
     """`route_topk` of the logits x W_r, formed in the same kernel (fp32 products and sums).
 
     x: [N, D] router inputs; w_router: [D, E]; bias: [E]; k, scaling: as `route_topk` (shapes:
-    `route_from_x_supported`); block_d: rows of W_r per loop step (0: 16 below 16 tokens, else 64);
-    num_warps: 0 for `route_topk`'s rule over the larger of the score tile and a step's products."""
+    `route_from_x_supported`); block_d: rows of W_r per loop step (0: 64 for a tensor-core tile product,
+    which needs N and E >= 16, else 16 for fp32 broadcast products); num_warps: 0 for `route_topk`'s
+    rule over the larger of the score tile and a step's products."""
     N, D = x_ND.shape
     E = w_router_DE.shape[-1]
     if w_router_DE.shape != (D, E) or bias_E.shape != (E,):
@@ -151,14 +152,15 @@ def route_topk_from_x(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array
         raise ValueError(f"route_topk_from_x: top-{k} of {E} experts for {N} tokens of width {D} is not "
                          f"supported (N, E, k powers of two, D % 16 == 0, D x E <= {MAX_ROUTER_ELEMENTS})")
     interpret = default_interpret() if interpret is None else interpret
-    block_d = min(block_d or (64 if N >= 16 else 16), D)
+    tensor_core = N >= 16 and E >= 16
+    block_d = min(block_d or (64 if tensor_core else 16), D)
     if D % block_d:
         raise ValueError(f"route_topk_from_x: block_d = {block_d} does not divide D = {D}")
-    products = N * E * (1 if N >= 16 else block_d)
+    products = N * E * (1 if tensor_core else block_d)
     num_warps = num_warps or min(32, max(4, max(N * E, products) // 256))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_route_x_kernel, block_d=block_d, scaling=float(scaling)),
+        functools.partial(_route_x_kernel, block_d=block_d, tensor_core=tensor_core, scaling=float(scaling)),
         grid=(1,),
         in_specs=[whole((N, D)), whole((D, E)), whole((E,))],
         out_specs=[whole((N, k)), whole((N, k))],

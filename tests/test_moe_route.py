@@ -62,7 +62,8 @@ def test_route_topk_ties_saturation_and_a_deciding_bias():
 @pytest.mark.parametrize("N,D,E,k", [(1, 16, 8, 2), (2, 48, 16, 4), (8, 1024, 64, 4), (16, 32, 32, 8), (32, 64, 8, 1)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_route_topk_from_x_against_float64(N, D, E, k, dtype):
-    """The router matmul in the kernel: broadcast products below 16 tokens, a tile product from 16."""
+    """The router matmul in the kernel: broadcast products below 16 tokens or experts, a tile product from
+    16 of each."""
     rng = np.random.default_rng(N * 7 + D + E)
     x = jnp.asarray(rng.normal(size=(N, D)), dtype)
     w = jnp.asarray(rng.normal(size=(D, E)) / np.sqrt(D), dtype)
