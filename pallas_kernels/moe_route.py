@@ -65,16 +65,21 @@ def _top_k_rounds(s, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
     M, Ep = s.shape
     k = idx_ref.shape[1]
     col = lax.broadcasted_iota(jnp.int32, (M, Ep), 1)
-    biased = jnp.where(col < n_experts, s + bias_ref[...].astype(jnp.float32)[None, :], -jnp.inf)
+    biased = s + bias_ref[...].astype(jnp.float32)[None, :]
+    # A NaN score ranks below every number (as XLA's top-k on it): a diverged logit cannot make a row's
+    # max NaN and leave no column attaining it.
+    biased = jnp.where((col < n_experts) & (biased == biased), biased, -jnp.inf)
     slot = lax.broadcasted_iota(jnp.int32, (M, k), 1)
     idx = jnp.zeros((M, k), jnp.int32)
     picked = jnp.zeros((M, k), jnp.float32)
-    for j in range(k):  # k is small and static: unrolled rounds of max, first argmax, mask
+    taken = col < 0
+    for j in range(k):  # k is small and static: unrolled rounds of max, first untaken argmax, mask
         top = jnp.max(biased, axis=1, keepdims=True)
-        i = jnp.min(jnp.where(biased == top, col, Ep), axis=1, keepdims=True)
+        i = jnp.min(jnp.where((biased == top) & ~taken, col, Ep), axis=1, keepdims=True)
         hit = col == i
         p = jnp.sum(jnp.where(hit, s, 0.0), axis=1, keepdims=True)
         biased = jnp.where(hit, -jnp.inf, biased)
+        taken = taken | hit
         idx = jnp.where(slot == j, i, idx)
         picked = jnp.where(slot == j, p, picked)
     idx_ref[...] = idx

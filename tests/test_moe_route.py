@@ -79,6 +79,23 @@ def test_route_topk_from_x_against_float64(N, D, E, k, dtype):
     assert close.mean() < 0.5
 
 
+def test_route_topk_nan_scores_rank_last_and_ids_stay_distinct():
+    """A NaN logit ranks below every number, as in XLA's top-k; a row of NaNs (or of -inf scores after
+    the bias) still gets k distinct experts in range, lowest first."""
+    logits = np.array([[0.1, np.nan, 0.3, 0.2, -1.0, 0.5, 0.0, 0.0],
+                       [np.nan] * 8,
+                       [0.0] * 8], np.float32)
+    bias = np.zeros(8, np.float32)
+    bias[3] = -np.inf
+    idx, w = route_topk(jnp.asarray(logits), jnp.asarray(bias), 4)
+    assert list(np.asarray(idx[0])) == [5, 2, 0, 6] and list(np.asarray(idx[1])) == [0, 1, 2, 3]
+    assert list(np.asarray(idx[2])) == [0, 1, 2, 4]
+    xla_idx, _ = DECODE_ROUTERS.get("xla")(jnp.eye(3, 3), jnp.asarray(logits[:1].repeat(3, 0)), jnp.asarray(bias),
+                                           4, 1.0)
+    assert list(np.asarray(xla_idx[0])) == [5, 2, 0, 6]
+    assert np.isfinite(np.asarray(w[0])).all()
+
+
 def test_route_kernels_reject_what_they_cannot_take():
     z = jnp.zeros((4, 16), jnp.float32)
     with pytest.raises(ValueError, match="not supported"):
