@@ -186,8 +186,8 @@ FUSED_OUTPUTS = "w_out"  # `MoE.fuse_outputs`' stacked output matrix, an attribu
 ANY_ROUTES_DECODE = {"grouped"}
 
 # A decoding call's routing, keyed by ``model.moe.decode_route_impl``:
-#   'xla'     `MoE.route`'s ops (the router GEMM and its partial sums, sigmoid, a top-k sort, slice and
-#             gather: six launches per layer on a GPU);
+#   'xla'     `MoE.route`'s ops (the router GEMM, its partial sums with the sigmoid, a top-k sort, a slice
+#             and a gather: five launches per layer on a GPU);
 #   'pallas'  `pallas_kernels.moe_route`: one kernel with the router matmul in it for small routers,
 #             else XLA's GEMM and one kernel for the rest (shapes neither takes use 'xla').
 # An entry maps (x [N, D], router weight [D, E], bias [E], k, scaling) to (idx [N, k] int32, weights
