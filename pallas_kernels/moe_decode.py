@@ -140,15 +140,17 @@ def routed_glu(x_RD, expert_R, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_i
     )(expert, h, w_down_EFD)
 
 
-def _routed_to(idx_ref):
-    """Whether any route goes to this program's expert (idx: every route's expert id, -1 padding)."""
-    return jnp.sum((idx_ref[...] == pl.program_id(0)).astype(jnp.int32)) > 0
+def _routes_here(idx_ref):
+    """This program's expert's routes ([R] bool; idx: every route's expert id, -1 padding) and whether
+    there is any."""
+    mine = idx_ref[...] == pl.program_id(0)
+    return mine, jnp.sum(mine.astype(jnp.int32)) > 0
 
 
 def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
     M, bf = h_ref.shape
 
-    @pl.when(_routed_to(idx_ref))
+    @pl.when(_routes_here(idx_ref)[1])
     def _():
         def step(i, acc):
             rows = pl.ds(i * block_d, block_d)
@@ -164,9 +166,9 @@ def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block
 def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact):
     M = h_ref.shape[0]
     R, bd = y_ref.shape
-    mine = idx_ref[...] == pl.program_id(0)
+    mine, used = _routes_here(idx_ref)
 
-    @pl.when(jnp.sum(mine.astype(jnp.int32)) > 0)
+    @pl.when(used)
     def _():
         def step(i, acc):
             rows = pl.ds(i * block_f, block_f)

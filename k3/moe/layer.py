@@ -195,6 +195,11 @@ ANY_ROUTES_DECODE = {"grouped"}
 DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla")
 
 
+def router_logits(x_ND: jax.Array, w_router_DE: jax.Array) -> jax.Array:
+    """The router's logits [N, E], in fp32 (products of the stored values are exact there)."""
+    return x_ND.astype(jnp.float32) @ w_router_DE.astype(jnp.float32)
+
+
 def combine_weights(scores_NE: jax.Array, idx_Nk: jax.Array, scaling: float) -> jax.Array:
     """The picked experts' scores [N, k] normalised to sum to ``scaling`` per token (fp32)."""
     picked = jnp.take_along_axis(scores_NE, idx_Nk, axis=-1)
@@ -204,7 +209,7 @@ def combine_weights(scores_NE: jax.Array, idx_Nk: jax.Array, scaling: float) -> 
 @DECODE_ROUTERS.register("xla")
 def xla_route(x_ND, w_router_DE, bias_E, k, scaling):
     """`MoE.route`'s selection and combine weights."""
-    scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ w_router_DE.astype(jnp.float32))
+    scores = jax.nn.sigmoid(router_logits(x_ND, w_router_DE))
     idx, _ = balancing.topk_route(scores, bias_E, k)
     return idx, combine_weights(scores, idx, scaling)
 
@@ -218,7 +223,7 @@ def pallas_route(x_ND, w_router_DE, bias_E, k, scaling):
     if route_from_x_supported(N, D, E, k):
         return route_topk_from_x(x_ND, w_router_DE, bias_E, k, scaling)
     if route_topk_supported(N, E, k):
-        return route_topk(x_ND.astype(jnp.float32) @ w_router_DE.astype(jnp.float32), bias_E, k, scaling)
+        return route_topk(router_logits(x_ND, w_router_DE), bias_E, k, scaling)
     return xla_route(x_ND, w_router_DE, bias_E, k, scaling)
 
 
@@ -303,7 +308,7 @@ class MoE(nnx.Module):
 
     def route(self, x_ND: jax.Array):
         """Router: (expert ids [N, k], combine weights [N, k] fp32, scores [N, E], alpha [N] or None)."""
-        scores = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ self.router[...].astype(jnp.float32))
+        scores = jax.nn.sigmoid(router_logits(x_ND, self.router[...]))
         bias = jax.lax.stop_gradient(self.router_bias[...])
         idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k,
                                           extra=self.balancer.extra_routes)
