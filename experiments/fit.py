@@ -661,6 +661,19 @@ def load_points(results_dir: str) -> list[dict]:
     return list(records.values())
 
 
+def select_arms(records: Sequence[dict], arms: str | None, baseline: str) -> list[dict]:
+    """The records of the comma-separated ``arms`` plus the baseline's (all records when ``arms`` is
+    empty or None), so a ladder whose later arms have fewer than 2 sizes can still be fitted."""
+    if not arms:
+        return list(records)
+    wanted = {a.strip() for a in arms.split(",") if a.strip()} | {baseline}
+    present = {str(r.get("arm")) for r in records}
+    missing = sorted(wanted - present)
+    if missing:
+        raise FitError(f"--arms: no points for {', '.join(missing)} (arms present: {', '.join(sorted(present))})")
+    return [r for r in records if str(r.get("arm")) in wanted]
+
+
 def size_label(rec: dict) -> str:
     """A record's size label ('128x4'), from d_model and n_layers when 'size' is missing."""
     return str(rec.get("size") or f"{rec.get('d_model')}x{rec.get('n_layers')}")
@@ -1068,6 +1081,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.fit", description=__doc__.split("\n")[0])
     p.add_argument("--results", help="directory holding points*.jsonl")
     p.add_argument("--baseline", default="k2", help="arm every other arm is compared with")
+    p.add_argument("--arms", default="", help="comma-separated arms to fit with the baseline (default: all)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates (pure power law)")
     p.add_argument("--bootstrap_e", type=int, default=None,
                    help="bootstrap replicates for the law with E (default min(--bootstrap, 200))")
@@ -1085,7 +1099,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise FitError("--results=DIR (or --chinchilla=CSV) is required")
         if args.bootstrap < 1:
             raise FitError("--bootstrap must be at least 1")
-        records = load_points(args.results)
+        records = select_arms(load_points(args.results), args.arms, args.baseline)
         report = build_report(records, baseline=args.baseline, n_boot=args.bootstrap, seed=args.seed,
                               sigma=args.sigma, n_boot_E=args.bootstrap_e, chinchilla_starts=args.starts or None)
         print(format_report(report))

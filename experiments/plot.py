@@ -30,7 +30,7 @@ from matplotlib.ticker import FormatStrFormatter, NullFormatter  # noqa: E402
 
 from experiments.fit import (CONVENTIONS, FitError, arm_points, bootstrap_multiplier, check_arms,  # noqa: E402
                              fit_power_law, has_finite_loss, is_default_lr, is_seed0, load_points,
-                             resolve_sigma, size_label)
+                             resolve_sigma, select_arms, size_label)
 
 _DPI = 130
 
@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", required=True, help="directory holding points*.jsonl")
     p.add_argument("--out", default=None, help="output directory (default: the results directory)")
     p.add_argument("--baseline", default="k2", help="arm every other arm is compared with")
+    p.add_argument("--arms", default="", help="comma-separated arms to plot with the baseline (default: all)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates of the multiplier band")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap noise")
     p.add_argument("--sigma", type=float, default=0.0, help="loss noise in nats; 0 = estimate from seed repeats")
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.bootstrap < 1:
             raise FitError("--bootstrap must be at least 1")
-        records = load_points(args.results)
+        records = select_arms(load_points(args.results), args.arms, args.baseline)
         written = make_plots(records, args.out or args.results, baseline=args.baseline, n_boot=args.bootstrap,
                              seed=args.seed, sigma=args.sigma)
     except FitError as err:

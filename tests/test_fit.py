@@ -235,7 +235,7 @@ def test_leave_one_size_out():
 # ---------------------------------------------------------------------------------------- end to end
 
 SIZES = [("128x4", 128, 4, 1.0e6), ("160x8", 160, 8, 2.0e6), ("224x8", 224, 8, 4.0e6), ("288x12", 288, 12, 8.0e6)]
-FULL_FACTOR = {"k2": 1.2, "k3": 1.1}  # flops_full / flops_6N per arm
+FULL_FACTOR = {"k2": 1.2, "k3": 1.1, "k2+attn_res": 1.2}  # flops_full / flops_6N per arm
 LAW_A, LAW_ALPHA = 100.0, 0.1  # baseline loss = A (C_6N)^-alpha; k3 reaches it with half the compute
 SEED_OFFSETS = {("k2", 1): 0.01, ("k2", 2): -0.01, ("k3", 1): 0.02}  # on size 160x8
 POOLED_SIGMA = math.sqrt((2e-4 + 2e-4) / 3)  # k2: 3 seeds, sample var 1e-4; k3: 2 seeds, var 2e-4
@@ -399,6 +399,27 @@ def test_cli_bad_input_exits_2(tool, tmp_path, capsys):
     one = _write_results(str(tmp_path / "one"), sizes=SIZES[:1], lr_sweep=False)
     assert tool(["--results", one, "--bootstrap", "5"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", [F.main, P.main], ids=["fit", "plot"])
+def test_cli_arms_leaves_out_an_arm_with_one_size(tool, tmp_path, capsys):
+    """A ladder whose third arm has one size so far: the default (all arms) refuses it by name, and
+    ``--arms`` fits the others; an arm with no points is an error that lists the arms present."""
+    d = _write_results(str(tmp_path / "res"), lr_sweep=False)
+    _write_results(str(tmp_path / "one"), arms=("k2+attn_res",), sizes=SIZES[:1], lr_sweep=False)
+    os.replace(str(tmp_path / "one" / "points.jsonl"), os.path.join(d, "points_mech.jsonl"))
+    args = ["--results", d, "--bootstrap", "5"] + (["--bootstrap_e", "2", "--starts", "5"] if tool is F.main else [])
+    assert tool(args) == 2
+    assert "'k2+attn_res' has 1 size(s)" in capsys.readouterr().err
+    assert tool(args + ["--arms", "k3"]) == 0
+    capsys.readouterr()
+    if tool is F.main:
+        with open(os.path.join(d, "fit.json")) as f:
+            rep = json.load(f)
+        assert rep["arms"] == ["k2", "k3"] and rep["n_records"] == 19
+    assert tool(args + ["--arms", "k3,k9"]) == 2
+    err = capsys.readouterr().err
+    assert "--arms: no points for k9" in err and "k2+attn_res" in err and "Traceback" not in err
 
 
 def test_fit_cli_chinchilla_refit(capsys):
