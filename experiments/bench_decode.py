@@ -2,7 +2,8 @@
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--models=k3,all_mla] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=served|unrolled|scanned]
-        [--mla_decode=auto|xla|pallas] [--moe_decode=auto|train|gather|pallas] [--kda_decode=auto|xla|pallas]
+        [--mla_decode=auto|xla|pallas|pallas_merged] [--moe_decode=auto|train|gather|pallas|grouped]
+        [--kda_decode=auto|xla|pallas]
         [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]
         [--speculative=0] [--xla_option=KEY=VALUE ...] [--set=model.KEY=VALUE ...] [--json=PATH]

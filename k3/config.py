@@ -100,7 +100,7 @@ def default_config() -> ConfigDict:
     # (dropless), 'capacity' (expert_capacity x mean rows per expert, batched dense matmuls), 'dense'
     e.expert_capacity = 1.25  # 'capacity': rows per expert / (N k / E); routes past it are dropped
     e.decode_impl = "auto"  # k3.moe.DECODE_EXPERTS, decoding with fewer routes than experts: 'auto'
-    # ('pallas' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
+    # ('grouped' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
     # (each route reads its expert's weights in place; pallas_kernels.moe_decode), 'grouped' (routes grouped
     # by expert, each expert read once for all its routes)
     e.decode_route_impl = "auto"  # k3.moe.DECODE_ROUTERS, those decoding calls' routing: 'xla'

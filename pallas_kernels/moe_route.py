@@ -17,12 +17,11 @@ mostly too small to fill the GPU, so each launch costs about its fixed latency.
 
 Design (Pallas Triton). One program holds every token's E scores in registers ([M, E] with M and E
 powers of two) and runs k rounds of: row max, the lowest column attaining it, record, mask out.
-`route_topk` starts from logits (N and E padded to powers of two; padding columns are never picked).
-`route_topk_from_x` also forms the logits, walking W_r [D, E] in row blocks: a tensor-core tile product
-from 16 tokens and 16 experts, fp32 broadcast products below. One program reads all of W_r, so it
-is for routers small enough that their read is short next to a launch (`route_from_x_supported`:
-at most `MAX_ROUTER_ELEMENTS` weights, e.g. d_model 1024 x 64 experts); larger routers keep XLA's
-GEMM, which spreads the read over the GPU, and pass its logits to `route_topk`.
+`route_topk` starts from the logits of XLA's router GEMM (N and E padded to powers of two; padding
+columns are never picked), which spreads the router's read over the GPU. A version that formed the
+logits inside the one program too (walking W_r in row blocks) made K3's decode step twice as slow on an
+H100 (3.08 ms against 1.44, 1024 x 64 routers, batch 8; BENCHMARKS.md): one program's serial loop of
+loads and reductions over D took about 0.14 ms a layer, against a few microseconds for the GEMM.
 The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -35,13 +34,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import default_interpret, tile_dot, triton_params
+from pallas_kernels.common import default_interpret, triton_params
 
 # Scores a program holds in registers at most (M x E fp32 plus masks and indices of that size): with
 # 32 warps, 8 x 1024 at top-16 compiles for sm_90 without spills, 16 x 1024 spills (`compile_report`).
 MAX_ROUTE_ELEMENTS = 1 << 13
-# Router weights `route_topk_from_x`'s one program reads at most (256 KiB in bf16).
-MAX_ROUTER_ELEMENTS = 1 << 17
 
 
 def _pow2(n: int) -> int:
@@ -54,20 +51,13 @@ def route_topk_supported(n_tokens: int, n_experts: int, k: int) -> bool:
     return 0 < k <= n_experts and k == _pow2(k) and _pow2(n_tokens) * _pow2(n_experts) <= MAX_ROUTE_ELEMENTS
 
 
-def route_from_x_supported(n_tokens: int, d_model: int, n_experts: int, k: int) -> bool:
-    """Whether `route_topk_from_x` takes N tokens of width D over E experts with top-k: N, E and k
-    powers of two (so nothing is padded per step), D a multiple of 16, W_r at most `MAX_ROUTER_ELEMENTS`."""
-    return (route_topk_supported(n_tokens, n_experts, k) and n_tokens == _pow2(n_tokens)
-            and n_experts == _pow2(n_experts) and d_model % 16 == 0 and d_model * n_experts <= MAX_ROUTER_ELEMENTS)
-
-
 def _top_k_rounds(s, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
     M, Ep = s.shape
     k = idx_ref.shape[1]
     col = lax.broadcasted_iota(jnp.int32, (M, Ep), 1)
     biased = s + bias_ref[...].astype(jnp.float32)[None, :]
-    # A NaN score ranks below every number (as XLA's top-k on it): a diverged logit cannot make a row's
-    # max NaN and leave no column attaining it.
+    # A NaN score ranks below every number (as XLA's top-k on a CPU; on a GPU XLA ranks it first): a
+    # diverged logit cannot make a row's max NaN and leave no column attaining it.
     biased = jnp.where((col < n_experts) & (biased == biased), biased, -jnp.inf)
     slot = lax.broadcasted_iota(jnp.int32, (M, k), 1)
     idx = jnp.zeros((M, k), jnp.int32)
@@ -89,21 +79,6 @@ def _top_k_rounds(s, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
 def _route_kernel(logit_ref, bias_ref, idx_ref, w_ref, *, n_experts, scaling):
     _top_k_rounds(jax.nn.sigmoid(logit_ref[...].astype(jnp.float32)), bias_ref, idx_ref, w_ref,
                   n_experts=n_experts, scaling=scaling)
-
-
-def _route_x_kernel(x_ref, wr_ref, bias_ref, idx_ref, w_ref, *, block_d, tensor_core, scaling):
-    M, D = x_ref.shape
-    E = wr_ref.shape[1]
-
-    def step(i, acc):
-        rows = pl.ds(i * block_d, block_d)
-        x, w = x_ref[:, rows], wr_ref[rows, :]
-        if tensor_core:  # products of the stored values are exact in fp32; exact fp32 sums for fp32 inputs
-            return acc + tile_dot(x, w, ((1,), (0,)), x.dtype == jnp.float32 or w.dtype == jnp.float32)
-        return acc + jnp.sum(x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
-
-    logits = lax.fori_loop(0, D // block_d, step, jnp.zeros((M, E), jnp.float32))
-    _top_k_rounds(jax.nn.sigmoid(logits), bias_ref, idx_ref, w_ref, n_experts=E, scaling=scaling)
 
 
 def route_topk(logits_NE: jax.Array, bias_E: jax.Array, k: int, scaling: float = 1.0, *, num_warps: int = 0,
@@ -138,38 +113,3 @@ def route_topk(logits_NE: jax.Array, bias_E: jax.Array, k: int, scaling: float =
         interpret=interpret, compiler_params=triton_params(interpret, num_warps, 1), name="moe_route_topk",
     )(logits, bias_E.astype(jnp.float32))
     return (idx, w) if M == N else (idx[:N], w[:N])
-
-
-def route_topk_from_x(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, k: int, scaling: float = 1.0,
-                      *, block_d: int = 0, num_warps: int = 0, num_stages: int = 3, interpret: bool | None = None):
-    """`route_topk` of the logits x W_r, formed in the same kernel (fp32 products and sums).
-
-    x: [N, D] router inputs; w_router: [D, E]; bias: [E]; k, scaling: as `route_topk` (shapes:
-    `route_from_x_supported`); block_d: rows of W_r per loop step (0: 64 for a tensor-core tile product,
-    which needs N and E >= 16, else 16 for fp32 broadcast products); num_warps: 0 for `route_topk`'s
-    rule over the larger of the score tile and a step's products."""
-    N, D = x_ND.shape
-    E = w_router_DE.shape[-1]
-    if w_router_DE.shape != (D, E) or bias_E.shape != (E,):
-        raise ValueError(f"route_topk_from_x: x {x_ND.shape}, w_router {w_router_DE.shape} and bias "
-                         f"{bias_E.shape} do not match")
-    if not route_from_x_supported(N, D, E, k):
-        raise ValueError(f"route_topk_from_x: top-{k} of {E} experts for {N} tokens of width {D} is not "
-                         f"supported (N, E, k powers of two, D % 16 == 0, D x E <= {MAX_ROUTER_ELEMENTS})")
-    interpret = default_interpret() if interpret is None else interpret
-    tensor_core = N >= 16 and E >= 16
-    block_d = min(block_d or (64 if tensor_core else 16), D)
-    if D % block_d:
-        raise ValueError(f"route_topk_from_x: block_d = {block_d} does not divide D = {D}")
-    products = N * E * (1 if tensor_core else block_d)
-    num_warps = num_warps or min(32, max(4, max(N * E, products) // 256))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_route_x_kernel, block_d=block_d, tensor_core=tensor_core, scaling=float(scaling)),
-        grid=(1,),
-        in_specs=[whole((N, D)), whole((D, E)), whole((E,))],
-        out_specs=[whole((N, k)), whole((N, k))],
-        out_shape=[jax.ShapeDtypeStruct((N, k), jnp.int32), jax.ShapeDtypeStruct((N, k), jnp.float32)],
-        interpret=interpret, compiler_params=triton_params(interpret, num_warps, num_stages),
-        name="moe_route_topk_from_x",
-    )(x_ND, w_router_DE, bias_E.astype(jnp.float32))

@@ -121,7 +121,7 @@ def test_decode_backends_equal_the_dense_reference(D):
         ref, _ = dense_experts(x, idx, *ws, "situ", BETAS)
         for fn in (gathered_experts, pallas_routed_experts, grouped_routed_experts):
             np.testing.assert_allclose(fn(x, idx, *ws, "situ", BETAS), ref, rtol=2e-5, atol=2e-5)
-    assert DECODE_EXPERTS.resolve("auto", "gpu") == "pallas" and DECODE_EXPERTS.resolve("auto", "cpu") == "train"
+    assert DECODE_EXPERTS.resolve("auto", "gpu") == "grouped" and DECODE_EXPERTS.resolve("auto", "cpu") == "train"
 
 
 @pytest.mark.parametrize("impl", ["gather", "pallas", "grouped"])

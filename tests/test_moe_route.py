@@ -10,8 +10,7 @@ from flax import nnx
 
 from conftest import greedy_step_logits, tiny_model_cfg
 from k3.moe.layer import DECODE_ROUTERS, MoE
-from pallas_kernels.moe_route import (MAX_ROUTE_ELEMENTS, MAX_ROUTER_ELEMENTS, route_from_x_supported, route_topk,
-                                      route_topk_from_x, route_topk_supported)
+from pallas_kernels.moe_route import MAX_ROUTE_ELEMENTS, route_topk, route_topk_supported
 
 
 def _route64(logits, bias, k, scaling):
@@ -29,13 +28,16 @@ def _spread_logits(rng, N, E):
 
 
 @pytest.mark.parametrize("N,E,k", [(1, 5, 4), (3, 10, 2), (8, 64, 4), (5, 896, 16), (2, 7, 1), (16, 8, 8)])
-def test_route_topk_against_float64(N, E, k):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_route_topk_against_float64(N, E, k, dtype):
+    """Logits in either dtype against float64 of the values as stored (bf16 rounding makes ties, which
+    go to the lower expert in both)."""
     rng = np.random.default_rng(N * 1000 + E)
-    logits = _spread_logits(rng, N, E)
+    logits = jnp.asarray(_spread_logits(rng, N, E), dtype)
     bias = np.zeros(E)
     bias[rng.integers(0, E, 2)] = [0.75, -0.75]  # the bias moves two experts in or out of the top k
-    idx, w = route_topk(jnp.asarray(logits, jnp.float32), jnp.asarray(bias, jnp.float32), k, 2.5)
-    want_idx, want_w = _route64(logits, bias, k, 2.5)
+    idx, w = route_topk(logits, jnp.asarray(bias, jnp.float32), k, 2.5)
+    want_idx, want_w = _route64(np.asarray(logits, np.float64), bias, k, 2.5)
     assert idx.dtype == jnp.int32 and w.dtype == jnp.float32 and idx.shape == w.shape == (N, k)
     np.testing.assert_array_equal(np.asarray(idx), want_idx)
     np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=1e-5, atol=1e-6)
@@ -59,29 +61,9 @@ def test_route_topk_ties_saturation_and_a_deciding_bias():
     assert float(w[0, 0]) < 1e-30  # picked by its bias, weighted by its score (sigmoid(-80))
 
 
-@pytest.mark.parametrize("N,D,E,k", [(1, 16, 8, 2), (2, 48, 16, 4), (8, 1024, 64, 4), (16, 32, 32, 8), (32, 64, 8, 1)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_route_topk_from_x_against_float64(N, D, E, k, dtype):
-    """The router matmul in the kernel: broadcast products below 16 tokens or experts, a tile product from
-    16 of each."""
-    rng = np.random.default_rng(N * 7 + D + E)
-    x = jnp.asarray(rng.normal(size=(N, D)), dtype)
-    w = jnp.asarray(rng.normal(size=(D, E)) / np.sqrt(D), dtype)
-    logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # of the values as stored
-    bias = rng.normal(size=E) * 0.01
-    want_idx, want_w = _route64(logits, bias, k, 2.0)
-    idx, wts = route_topk_from_x(x, w, jnp.asarray(bias, jnp.float32), k, 2.0)
-    s = 1.0 / (1.0 + np.exp(-logits)) + bias
-    ranked = -np.sort(-s, axis=1)
-    close = np.abs(ranked[:, k - 1] - ranked[:, k]) < 1e-5  # a near tie at the k-th place may go either way
-    np.testing.assert_array_equal(np.asarray(idx)[~close], want_idx[~close])
-    np.testing.assert_allclose(np.asarray(wts, np.float64)[~close], want_w[~close], rtol=1e-5, atol=1e-6)
-    assert close.mean() < 0.5
-
-
 def test_route_topk_nan_scores_rank_last_and_ids_stay_distinct():
-    """A NaN logit ranks below every number, as in XLA's top-k; a row of NaNs (or of -inf scores after
-    the bias) still gets k distinct experts in range, lowest first."""
+    """A NaN logit ranks below every number (as XLA's top-k does on a CPU; on a GPU it ranks NaN first);
+    a row of NaNs (or of -inf scores after the bias) still gets k distinct experts in range, lowest first."""
     logits = np.array([[0.1, np.nan, 0.3, 0.2, -1.0, 0.5, 0.0, 0.0],
                        [np.nan] * 8,
                        [0.0] * 8], np.float32)
@@ -90,9 +72,10 @@ def test_route_topk_nan_scores_rank_last_and_ids_stay_distinct():
     idx, w = route_topk(jnp.asarray(logits), jnp.asarray(bias), 4)
     assert list(np.asarray(idx[0])) == [5, 2, 0, 6] and list(np.asarray(idx[1])) == [0, 1, 2, 3]
     assert list(np.asarray(idx[2])) == [0, 1, 2, 4]
-    xla_idx, _ = DECODE_ROUTERS.get("xla")(jnp.eye(3, 3), jnp.asarray(logits[:1].repeat(3, 0)), jnp.asarray(bias),
-                                           4, 1.0)
-    assert list(np.asarray(xla_idx[0])) == [5, 2, 0, 6]
+    if jax.default_backend() == "cpu":
+        xla_idx, _ = DECODE_ROUTERS.get("xla")(jnp.eye(3, 3), jnp.asarray(logits[:1].repeat(3, 0)),
+                                               jnp.asarray(bias), 4, 1.0)
+        assert list(np.asarray(xla_idx[0])) == [5, 2, 0, 6]
     assert np.isfinite(np.asarray(w[0])).all()
 
 
@@ -106,20 +89,12 @@ def test_route_kernels_reject_what_they_cannot_take():
         route_topk(z, jnp.zeros(15), 2)
     assert route_topk_supported(8, 1024, 16) and route_topk_supported(5, 896, 16)
     assert not route_topk_supported(9, 1024, 16) and 16 * 1024 > MAX_ROUTE_ELEMENTS
-    with pytest.raises(ValueError, match="not supported"):
-        route_topk_from_x(jnp.zeros((3, 16)), jnp.zeros((16, 8)), jnp.zeros(8), 2)  # 3 tokens: would pad
-    with pytest.raises(ValueError, match="not supported"):
-        route_topk_from_x(jnp.zeros((2, 16)), jnp.zeros((16, 12)), jnp.zeros(12), 2)  # 12 experts
-    with pytest.raises(ValueError, match="do not match"):
-        route_topk_from_x(jnp.zeros((2, 16)), jnp.zeros((32, 8)), jnp.zeros(8), 2)
-    assert route_from_x_supported(8, 1024, 64, 4) and not route_from_x_supported(8, 7168, 896, 16)
-    assert 1024 * 256 > MAX_ROUTER_ELEMENTS
 
 
 @pytest.mark.parametrize("N,D,E,k", [(2, 32, 8, 2), (3, 16, 10, 2), (4, 16, 10, 3), (64, 32, 64, 4)])
 def test_decode_routers_agree(N, D, E, k):
-    """Each of 'pallas''s three forms (router matmul in the kernel; XLA's logits and the kernel; XLA)
-    gives the float64 selection."""
+    """Both of 'pallas''s forms (XLA's logits and the kernel; XLA where the kernel does not take the
+    shape: k = 3) and 'xla' give the float64 selection."""
     rng = np.random.default_rng(N + k)
     x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(D, E)), jnp.float32)

@@ -26,7 +26,7 @@ keyed by ``model.moe.decode_impl``:
               (widths that are not powers of two take 'gather'; interpreted off the GPU);
   'grouped'   `pallas_kernels.moe_decode.grouped_glu`: routes grouped by expert, each routed expert's
               weights read once for all its routes, as tensor-core tile products (same fallbacks).
-'auto' is 'pallas' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
+'auto' is 'grouped' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
 A decoding call with N k >= E routes (e.g. verifying a speculative draft, or batch 64) runs the training
 backend; with at most `DROPLESS_DECODE_TOKENS` tokens the 'capacity' backend then gets C >= N rows per
 expert, so it drops nothing (top-k experts are distinct, so no expert gets more than N routes). The
@@ -174,10 +174,11 @@ def dense_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, be
     return jnp.einsum("nke,ned->nkd", onehot, out), jnp.zeros((), jnp.int32)
 
 
-# 'auto' is the kernel on a GPU: its tests (tests/test_moe_decode.py) pass compiled on an H100, and there
-# (`experiments.bench_decode --moe_decode=pallas|train`, K3 d_model 1024, 16 layers, batch 8) it took
-# 2.01 / 2.53 ms per step at 4K context, 2.31 / 2.81 at 32K.
-DECODE_EXPERTS = Table("model.moe.decode_impl", default="train", auto={"gpu": "pallas"})
+# 'auto' is 'grouped' on a GPU: its tests (tests/test_moe_decode.py) pass compiled on an H100, and there
+# (`experiments.bench_decode --moe_decode=grouped|pallas`, K3 d_model 1024, 16 layers, batch 8, 4K
+# context) the step took 1.44 / 1.56 ms; it also takes the calls with N k >= E routes, which 'pallas'
+# leaves to the training backend.
+DECODE_EXPERTS = Table("model.moe.decode_impl", default="train", auto={"gpu": "grouped"})
 DECODE_EXPERTS.register("train")(None)  # the training backend (`EXPERT_BACKENDS`) itself
 FUSED_OUTPUTS = "w_out"  # `MoE.fuse_outputs`' stacked output matrix, an attribute only served models have
 
@@ -188,8 +189,8 @@ ANY_ROUTES_DECODE = {"grouped"}
 # A decoding call's routing, keyed by ``model.moe.decode_route_impl``:
 #   'xla'     `MoE.route`'s ops (the router GEMM, its partial sums with the sigmoid, a top-k sort, a slice
 #             and a gather: five launches per layer on a GPU);
-#   'pallas'  `pallas_kernels.moe_route`: one kernel with the router matmul in it for small routers,
-#             else XLA's GEMM and one kernel for the rest (shapes neither takes use 'xla').
+#   'pallas'  XLA's router GEMM, then `pallas_kernels.moe_route`'s one kernel for the rest (shapes it
+#             does not take use 'xla').
 # An entry maps (x [N, D], router weight [D, E], bias [E], k, scaling) to (idx [N, k] int32, weights
 # [N, k] fp32), the selection of `MoE.route` without the balancing threshold.
 DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla")
@@ -216,12 +217,10 @@ def xla_route(x_ND, w_router_DE, bias_E, k, scaling):
 
 @DECODE_ROUTERS.register("pallas")
 def pallas_route(x_ND, w_router_DE, bias_E, k, scaling):
-    """`pallas_kernels.moe_route.route_topk_from_x`, else XLA's logits and `route_topk`, else `xla_route`."""
-    from pallas_kernels.moe_route import route_from_x_supported, route_topk, route_topk_from_x, route_topk_supported
+    """XLA's router logits and `pallas_kernels.moe_route.route_topk`; shapes it does not take use `xla_route`."""
+    from pallas_kernels.moe_route import route_topk, route_topk_supported
 
-    (N, D), E = x_ND.shape, w_router_DE.shape[-1]
-    if route_from_x_supported(N, D, E, k):
-        return route_topk_from_x(x_ND, w_router_DE, bias_E, k, scaling)
+    N, E = x_ND.shape[0], w_router_DE.shape[-1]
     if route_topk_supported(N, E, k):
         return route_topk(router_logits(x_ND, w_router_DE), bias_E, k, scaling)
     return xla_route(x_ND, w_router_DE, bias_E, k, scaling)
