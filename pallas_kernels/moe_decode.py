@@ -184,7 +184,7 @@ def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact)
 
 
 def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
-                block_out: int = 128, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
+                block_out: int = 0, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
                 interpret: bool | None = None):
     """y [N, k, D] (x's dtype): token n's gated FFN through expert idx[n, j], each routed expert's weights
     read once for all its routes (see the module docstring).
@@ -194,6 +194,8 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     columns (one program's outputs); block_in 0: 128 for up to 16 tokens, else 64, so that the pipeline's
     tiles (M x block_in tokens and two block_in x block_out weight tiles per stage) stay inside Hopper's
     227 KiB of shared memory (128 at M = 64 would need 240 KiB with 3 stages, `compile_report`);
+    block_out 0: 128 up to 64 tokens, else 64 (at M = 128 the down-projection's [M, 128] fp32 accumulator
+    spills at 255 registers for sm_90, `compile_report`; at 64 columns neither kernel spills);
     block_out_down: the down-projection's columns per program (0: block_out). Its grid has D / block_out
     programs per used expert against F / block_out for gate/up, so with D < F fewer columns per program
     keep as many programs streaming weights (at 8 tokens, top-4 of 64 experts, D 512, F 1024: about 84
@@ -217,6 +219,7 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     idx_R = jnp.pad(flat, (0, routes - flat.shape[0]), constant_values=-1)
     exact = jnp.dtype(x_ND.dtype) == jnp.float32
     block_in = block_in or (128 if M <= 16 else 64)
+    block_out = block_out or (128 if M <= 64 else 64)
     bf, bd_in = min(block_out, F), min(block_in, D)
     bd, bf_in = min(block_out_down or block_out, D), min(block_in, F)
     routes_spec = pl.BlockSpec((routes,), lambda e, j: (0,))

@@ -70,6 +70,7 @@ def _distinct_routes(rng, N, k, E, skew):
     (3, 2, 8, 32, 64, 16, 32, 16, False),      # N k < E; narrower down-projection programs
     (9, 4, 8, 64, 16, 32, 16, 32, False),      # N k >= E; wider ones
     (20, 3, 5, 16, 32, 0, 128, 0, True),       # every token on the same experts; N > 16 (M = 32)
+    (70, 2, 8, 16, 128, 0, 0, 0, False),      # N > 64 (M = 128): 64-column programs by default
 ])
 @pytest.mark.parametrize("kind", ["situ", "swiglu"])
 def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, down, skew, kind, x64):
