@@ -800,14 +800,26 @@ def lr_rules(records: Sequence[dict], convention: str = "6N") -> dict:
     return out
 
 
-def check_arms(arms: Mapping[str, ArmPoints], baseline: str) -> None:
-    """Raise `FitError` if the baseline arm is absent or any arm has fewer than 2 sizes."""
+def check_arms(arms: Mapping[str, ArmPoints], baseline: str) -> dict[str, str]:
+    """The arms a fit leaves out, {arm: why}: those with fewer than 2 sizes of final seed-0, lr_mult-1
+    points (a ladder still running). Raise `FitError` if the baseline is absent or is one of them."""
     if baseline not in arms:
         raise FitError(f"baseline arm {baseline!r} not found in the results (arms present: {sorted(arms) or 'none'})")
-    for name, a in arms.items():
-        if len(a.C) < 2:
-            raise FitError(f"arm {name!r} has {len(a.C)} size(s) with a final seed-0, lr_mult-1 point; "
-                           "a power law needs at least 2")
+    short = {name: f"{len(a.C)} size(s) with a final seed-0, lr_mult-1 point; a power law needs at least 2"
+             for name, a in arms.items() if len(a.C) < 2}
+    if baseline in short:
+        raise FitError(f"arm {baseline!r} has {short[baseline]}")
+    return short
+
+
+def usable_arms(arms: Mapping[str, ArmPoints], baseline: str,
+                warn: bool = True) -> tuple[dict[str, ArmPoints], dict[str, str]]:
+    """(the arms a fit can use, {arm left out: why}), per `check_arms`; with ``warn`` a line on stderr per
+    arm left out."""
+    short = check_arms(arms, baseline)
+    for name, why in short.items() if warn else ():
+        print(f"warning: arm {name!r} left out: {why}", file=sys.stderr)
+    return {name: a for name, a in arms.items() if name not in short}, short
 
 
 def estimate_sigma(records: Sequence[dict]) -> tuple[float | None, dict]:
@@ -910,9 +922,9 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
     report = {"baseline": baseline, "arms": [], "n_records": len(records), "sigma_L": sigma_info,
               "n_boot": n_boot, "n_boot_E": n_boot_E, "seed": seed, "conventions": {}}
     for conv in CONVENTIONS:
-        arms = arm_points(records, conv)
-        check_arms(arms, baseline)
+        arms, left_out = usable_arms(arm_points(records, conv), baseline, warn=not report["conventions"])
         report["arms"] = list(arms)  # the same under both conventions
+        report["arms_left_out"] = left_out
         fits = {}
         for name, a in arms.items():
             pl = fit_power_law(a.C, a.L)
@@ -981,6 +993,8 @@ def format_report(report: dict) -> str:
     lines = [f"# Ladder fits (baseline {b})", "",
              f"{report['n_records']} records; sigma_L = {s['value']:.4g} nats ({s['source']}); "
              f"bootstrap {report['n_boot']} replicates ({report['n_boot_E']} for the law with E), 5-95%.", ""]
+    lines += [f"Left out: {arm} ({why})." for arm, why in report.get("arms_left_out", {}).items()]
+    lines += [""] if report.get("arms_left_out") else []
     for conv, body in report["conventions"].items():
         lines += [f"## Convention {conv} (C = {CONVENTIONS[conv]})", "",
                   "| arm | lr rule | main pts | all pts | C range | A | alpha | SSE(log) | E-fit: E | A | alpha |",

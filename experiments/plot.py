@@ -28,9 +28,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FormatStrFormatter, NullFormatter  # noqa: E402
 
-from experiments.fit import (CONVENTIONS, FitError, arm_points, bootstrap_multiplier, check_arms,  # noqa: E402
+from experiments.fit import (CONVENTIONS, FitError, arm_points, bootstrap_multiplier,  # noqa: E402
                              fit_power_law, has_finite_loss, is_default_lr, is_seed0, load_points,
-                             resolve_sigma, select_arms, size_label)
+                             resolve_sigma, select_arms, size_label, usable_arms)
 
 _DPI = 130
 
@@ -164,8 +164,7 @@ def make_plots(records: Sequence[dict], out_dir: str, baseline: str = "k2", n_bo
     sigma_value = resolve_sigma(records, sigma)["value"]
     written = []
     for conv in CONVENTIONS:
-        arms = arm_points(records, conv)
-        check_arms(arms, baseline)
+        arms, _ = usable_arms(arm_points(records, conv), baseline, warn=not written)
         written.append(plot_loss_vs_compute(arms, conv, os.path.join(out_dir, f"loss_vs_compute_{conv}.png")))
         if len(arms) > 1:
             written.append(plot_multiplier(arms, baseline, conv, sigma_value, n_boot, seed,

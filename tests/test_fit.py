@@ -402,21 +402,27 @@ def test_cli_bad_input_exits_2(tool, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tool", [F.main, P.main], ids=["fit", "plot"])
-def test_cli_arms_leaves_out_an_arm_with_one_size(tool, tmp_path, capsys):
-    """A ladder whose third arm has one size so far: the default (all arms) refuses it by name, and
-    ``--arms`` fits the others; an arm with no points is an error that lists the arms present."""
+def test_cli_leaves_out_an_arm_with_one_size_and_takes_arms(tool, tmp_path, capsys):
+    """A ladder whose third arm has one size so far: the fit and figures leave it out, saying so once;
+    ``--arms`` picks arms by name; an arm with no points is an error that lists the arms present."""
     d = _write_results(str(tmp_path / "res"), lr_sweep=False)
     _write_results(str(tmp_path / "one"), arms=("k2+attn_res",), sizes=SIZES[:1], lr_sweep=False)
     os.replace(str(tmp_path / "one" / "points.jsonl"), os.path.join(d, "points_mech.jsonl"))
     args = ["--results", d, "--bootstrap", "5"] + (["--bootstrap_e", "2", "--starts", "5"] if tool is F.main else [])
-    assert tool(args) == 2
-    assert "'k2+attn_res' has 1 size(s)" in capsys.readouterr().err
+    assert tool(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("warning: arm 'k2+attn_res' left out: 1 size(s)") == 1
+    if tool is F.main:
+        assert "Left out: k2+attn_res (1 size(s)" in captured.out
+        with open(os.path.join(d, "fit.json")) as f:
+            rep = json.load(f)
+        assert rep["arms"] == ["k2", "k3"] and rep["n_records"] == 21 and list(rep["arms_left_out"]) == ["k2+attn_res"]
     assert tool(args + ["--arms", "k3"]) == 0
-    capsys.readouterr()
+    assert "left out" not in capsys.readouterr().err
     if tool is F.main:
         with open(os.path.join(d, "fit.json")) as f:
             rep = json.load(f)
-        assert rep["arms"] == ["k2", "k3"] and rep["n_records"] == 19
+        assert rep["arms"] == ["k2", "k3"] and rep["n_records"] == 19 and rep["arms_left_out"] == {}
     assert tool(args + ["--arms", "k3,k9"]) == 2
     err = capsys.readouterr().err
     assert "--arms: no points for k9" in err and "k2+attn_res" in err and "Traceback" not in err
