@@ -46,6 +46,7 @@ import gzip
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -101,9 +102,16 @@ def device_kernel_times(fn, top: int) -> dict:
     return kernel_stats(events["traceEvents"] if isinstance(events, dict) else events, top)
 
 
+def kernel_family(name: str) -> str:
+    """A kernel's name without its instance number: XLA names each fusion of a step apart
+    ('gemm_fusion_dot_95', 'loop_add_fusion.3'), so only their family sums the step's share."""
+    return re.sub(r"([._]\d+)+$", "", name) or name
+
+
 def kernel_stats(events: list[dict], top: int) -> dict:
     """`device_kernel_times`'s summary of a Perfetto trace's events (complete events of the
-    processes named '/device:...'); {} when there are none."""
+    processes named '/device:...'); {} when there are none. 'families': the ``top`` kernel families
+    (`kernel_family`) as (family, fraction of all kernel time, launches)."""
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:" in str(e.get("args", {}).get("name", ""))}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
@@ -115,8 +123,13 @@ def kernel_stats(events: list[dict], top: int) -> dict:
     whole = sum(total.values()) or 1.0
     start = min(float(e["ts"]) for e in kernels)
     end = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kernels)
+    family, launches = collections.Counter(), collections.Counter()
+    for e in kernels:
+        family[kernel_family(e["name"])] += float(e.get("dur", 0))
+        launches[kernel_family(e["name"])] += 1
     return {"top": [(name, t / whole) for name, t in total.most_common(top)], "kernel_ms": whole / 1e3,
-            "span_ms": (end - start) / 1e3, "launches": len(kernels)}
+            "span_ms": (end - start) / 1e3, "launches": len(kernels),
+            "families": [(name, t / whole, launches[name]) for name, t in family.most_common(top)]}
 
 
 def capacity(context: int) -> int:
@@ -235,6 +248,7 @@ def bench(kind: str, d_model: int, n_layers: int, context: int, batch: int, step
             "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
             "active_params": counts["active_params"], "compile_s": compile_s,
             "device": jax.devices()[0].device_kind, "top_kernels": prof.get("top", []),
+            "kernel_families": [(name, share, n / steps) for name, share, n in prof.get("families", [])],
             # Per decode step, from the profiled call (None unprofiled or on a CPU).
             "kernel_ms_per_step": prof["kernel_ms"] / steps if prof else None,
             "kernel_busy_frac": prof["kernel_ms"] / prof["span_ms"] if prof and prof["span_ms"] else None,
@@ -322,6 +336,8 @@ def main(argv=None):
             print(json.dumps(rows[-1]), flush=True)
             for name, share in rows[-1]["top_kernels"]:
                 print(f"    {share:6.1%}  {name[:110]}", flush=True)
+            for name, share, per_step in rows[-1]["kernel_families"]:
+                print(f"    {share:6.1%}  {per_step:5.1f}/step  {name[:100]}", flush=True)
             if rows[-1]["kernel_ms_per_step"] is not None:
                 r = rows[-1]
                 print(f"    kernels {r['kernel_ms_per_step']:.3f} ms/step of {r['ms_per_step']:.3f}, busy "

@@ -356,9 +356,26 @@ def test_bench_decode_kernel_stats_sum_device_kernels_and_their_span():
               {"ph": "X", "pid": 1, "name": "reduce", "ts": 1090.0, "dur": 10.0},
               {"ph": "X", "pid": 2, "name": "host_work", "ts": 0.0, "dur": 5000.0}]
     got = kernel_stats(events, top=1)
-    assert got["top"] == [("gemm", 0.75)] and got["launches"] == 2
+    assert got["top"] == [("gemm", 0.75)] and got["launches"] == 2 and got["families"] == [("gemm", 0.75, 1)]
     np.testing.assert_allclose([got["kernel_ms"], got["span_ms"]], [0.04, 0.1])
     assert kernel_stats(events[1:2] + events[4:], top=3) == {}
+
+
+def test_bench_decode_kernel_families_sum_xla_fusions_across_layers():
+    """XLA's per-instance fusion names fold into one family; a Pallas kernel's name is its family."""
+    from experiments.bench_decode import kernel_family, kernel_stats
+
+    assert [kernel_family(n) for n in ("gemm_fusion_dot_95", "loop_add_fusion.3", "gemm_fusion_dot",
+                                       "moe_decode_grouped_gate_up", "fusion_12_3", "copy_1")] == [
+        "gemm_fusion_dot", "loop_add_fusion", "gemm_fusion_dot", "moe_decode_grouped_gate_up", "fusion", "copy"]
+    names = ["gemm_fusion_dot_1", "gemm_fusion_dot_2", "moe_decode_grouped_down", "moe_decode_grouped_down",
+             "loop_add_fusion.7"]
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+    events += [{"ph": "X", "pid": 1, "name": n, "ts": 10.0 * i, "dur": d}
+               for i, (n, d) in enumerate(zip(names, [1.0, 3.0, 2.5, 2.5, 1.0]))]
+    got = kernel_stats(events, top=2)
+    assert got["families"] == [("moe_decode_grouped_down", 0.5, 2), ("gemm_fusion_dot", 0.4, 2)]
+    assert got["top"][0] == ("moe_decode_grouped_down", 0.5)
 
 
 @pytest.mark.slow
