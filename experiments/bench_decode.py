@@ -124,8 +124,9 @@ def kernel_stats(events: list[dict], top: int) -> dict:
     start = min(float(e["ts"]) for e in kernels)
     end = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kernels)
     family, launches = collections.Counter(), collections.Counter()
+    for name, t in total.items():
+        family[kernel_family(name)] += t
     for e in kernels:
-        family[kernel_family(e["name"])] += float(e.get("dur", 0))
         launches[kernel_family(e["name"])] += 1
     return {"top": [(name, t / whole) for name, t in total.most_common(top)], "kernel_ms": whole / 1e3,
             "span_ms": (end - start) / 1e3, "launches": len(kernels),

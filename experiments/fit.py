@@ -663,7 +663,7 @@ def load_points(results_dir: str) -> list[dict]:
 
 def select_arms(records: Sequence[dict], arms: str | None, baseline: str) -> list[dict]:
     """The records of the comma-separated ``arms`` plus the baseline's (all records when ``arms`` is
-    empty or None), so a ladder whose later arms have fewer than 2 sizes can still be fitted."""
+    empty or None); `FitError` naming any arm that has no points."""
     if not arms:
         return list(records)
     wanted = {a.strip() for a in arms.split(",") if a.strip()} | {baseline}
@@ -800,23 +800,17 @@ def lr_rules(records: Sequence[dict], convention: str = "6N") -> dict:
     return out
 
 
-def check_arms(arms: Mapping[str, ArmPoints], baseline: str) -> dict[str, str]:
-    """The arms a fit leaves out, {arm: why}: those with fewer than 2 sizes of final seed-0, lr_mult-1
-    points (a ladder still running). Raise `FitError` if the baseline is absent or is one of them."""
+def usable_arms(arms: Mapping[str, ArmPoints], baseline: str,
+                warn: bool = True) -> tuple[dict[str, ArmPoints], dict[str, str]]:
+    """(the arms a fit can use, {arm left out: why}): an arm with fewer than 2 sizes of final seed-0,
+    lr_mult-1 points (a ladder still running) is left out, with ``warn`` a line on stderr each. Raise
+    `FitError` if the baseline is absent or would be left out."""
     if baseline not in arms:
         raise FitError(f"baseline arm {baseline!r} not found in the results (arms present: {sorted(arms) or 'none'})")
     short = {name: f"{len(a.C)} size(s) with a final seed-0, lr_mult-1 point; a power law needs at least 2"
              for name, a in arms.items() if len(a.C) < 2}
     if baseline in short:
         raise FitError(f"arm {baseline!r} has {short[baseline]}")
-    return short
-
-
-def usable_arms(arms: Mapping[str, ArmPoints], baseline: str,
-                warn: bool = True) -> tuple[dict[str, ArmPoints], dict[str, str]]:
-    """(the arms a fit can use, {arm left out: why}), per `check_arms`; with ``warn`` a line on stderr per
-    arm left out."""
-    short = check_arms(arms, baseline)
     for name, why in short.items() if warn else ():
         print(f"warning: arm {name!r} left out: {why}", file=sys.stderr)
     return {name: a for name, a in arms.items() if name not in short}, short
