@@ -21,7 +21,8 @@ Which points feed which fit:
 
 Learning-rate rules. A run trains at the ladder's shared rule or at its arm's own fitted rule
 (``lr_rule`` 'shared' or 'own'; records without the field are shared). The headline fits use, per
-arm, its own-rule points when it has any and its shared-rule points otherwise; when some arm has
+arm, its own-rule points when it has any and its shared-rule points otherwise; an arm with shared-rule
+points only is compared with the baseline's shared-rule points. When some arm has
 own-rule points, the comparisons are repeated with shared-rule points only (``comparisons_shared_rule``),
 so the multiplier is reported both at each arm's optimum and at one rule for all. The per-arm rule
 ``lr*(C) = coef C^exp`` is fitted from each arm's sweeps (>= 3 rates at a size, at >= 2 sizes) and
@@ -935,13 +936,24 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
             else:
                 entry["chinchilla"] = {"skipped": f"{len(a.C_all)} points; needs at least {MIN_CHINCHILLA_POINTS}"}
             fits[name] = entry
-        comparisons = {name: _compare(arms[baseline], a, baseline, sigma_info["value"], n_boot, n_boot_E, seed)
+        shared_pts = arm_points(records, conv, rule="shared")
+        comparisons = {name: _compare(_baseline_at_rule(arms[baseline], shared_pts.get(baseline), a.lr_rule), a,
+                                      baseline, sigma_info["value"], n_boot, n_boot_E, seed)
                        for name, a in arms.items() if name != baseline}
         report["conventions"][conv] = {"fits": fits, "comparisons": comparisons, "lr_rules": lr_rules(records, conv)}
         if any(a.lr_rule == "own" for a in arms.values()):
             report["conventions"][conv]["comparisons_shared_rule"] = _shared_rule_comparisons(
                 records, conv, baseline, list(arms), sigma_info["value"], n_boot, n_boot_E, seed)
     return report
+
+
+def _baseline_at_rule(best: ArmPoints, shared: ArmPoints | None, rule: str) -> ArmPoints:
+    """The baseline's points to compare an arm trained at ``rule`` with: an arm with no rule of its own
+    (a mechanism arm at the shared rule) meets the baseline's shared-rule points when those span 2
+    sizes, so that its multiplier is not the two rules' difference; otherwise the baseline's best."""
+    if rule == "shared" and best.lr_rule != "shared" and shared is not None and len(shared.C) >= 2:
+        return shared
+    return best
 
 
 def _shared_rule_comparisons(records, conv, baseline, names, sigma, n_boot, n_boot_E, seed) -> dict:

@@ -288,6 +288,28 @@ def _write_results(path, arms=("k2", "k3"), sizes=SIZES, branches=True, seeds=Tr
     return path
 
 
+def test_an_arm_with_no_rule_of_its_own_meets_the_baseline_at_the_shared_rule(tmp_path):
+    """k2 has own-rule points at a third of its shared-rule compute; a mechanism arm trained at the
+    shared rule only (a multiplier of 2 planted over k2's shared-rule points) must be compared with
+    k2's shared-rule points, not its own-rule ones (which would give 2/3)."""
+    recs = F.load_points(_write_results(str(tmp_path / "res"), sizes=SIZES[:3], branches=False, lr_sweep=False))
+    for r in [r for r in recs if F.is_seed0(r) and r["is_final"]]:
+        if r["arm"] == "k2":
+            recs.append(dict(r, run_id=r["run_id"] + "-own", lr_rule="own",
+                             val_loss=LAW_A * (3.0 * r["flops_6N"]) ** -LAW_ALPHA))
+        else:  # k3's points become the mechanism arm's, trained at the shared rule
+            r["arm"], r["flops_full"] = "k2+attn_res", FULL_FACTOR["k2+attn_res"] * r["flops_6N"]
+    recs = [r for r in recs if r["arm"] != "k3"]
+    body = F.build_report(recs, n_boot=20, sigma=1e-3, chinchilla_starts=1)["conventions"]["6N"]
+    assert body["fits"]["k2"]["lr_rule"] == "own" and body["fits"]["k2+attn_res"]["lr_rule"] == "shared"
+    cmp = body["comparisons"]["k2+attn_res"]
+    assert cmp["lr_rules"] == {"arm": "shared", "baseline": "shared"}
+    assert cmp["shared_alpha"]["M"] == pytest.approx(2.0, rel=2e-2)
+    assert body["comparisons_shared_rule"]["k2+attn_res"]["shared_alpha"]["M"] == pytest.approx(2.0, rel=2e-2)
+    text = F.format_report(F.build_report(recs, n_boot=5, sigma=1e-3, chinchilla_starts=1))
+    assert "Learning-rate rules differ" not in text
+
+
 def test_load_points_dedupes_keeping_last(tmp_path):
     d = _write_results(str(tmp_path / "res"))
     recs = F.load_points(d)
