@@ -937,7 +937,7 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
                 entry["chinchilla"] = {"skipped": f"{len(a.C_all)} points; needs at least {MIN_CHINCHILLA_POINTS}"}
             fits[name] = entry
         shared_pts = arm_points(records, conv, rule="shared")
-        comparisons = {name: _compare(_baseline_at_rule(arms[baseline], shared_pts.get(baseline), a.lr_rule), a,
+        comparisons = {name: _compare(baseline_at_rule(arms[baseline], shared_pts.get(baseline), a.lr_rule), a,
                                       baseline, sigma_info["value"], n_boot, n_boot_E, seed)
                        for name, a in arms.items() if name != baseline}
         report["conventions"][conv] = {"fits": fits, "comparisons": comparisons, "lr_rules": lr_rules(records, conv)}
@@ -947,7 +947,7 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
     return report
 
 
-def _baseline_at_rule(best: ArmPoints, shared: ArmPoints | None, rule: str) -> ArmPoints:
+def baseline_at_rule(best: ArmPoints, shared: ArmPoints | None, rule: str) -> ArmPoints:
     """The baseline's points to compare an arm trained at ``rule`` with: an arm with no rule of its own
     (a mechanism arm at the shared rule) meets the baseline's shared-rule points when those span 2
     sizes, so that its multiplier is not the two rules' difference; otherwise the baseline's best."""

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FormatStrFormatter, NullFormatter  # noqa: E402
 
-from experiments.fit import (CONVENTIONS, FitError, arm_points, bootstrap_multiplier,  # noqa: E402
+from experiments.fit import (CONVENTIONS, FitError, arm_points, baseline_at_rule, bootstrap_multiplier,  # noqa: E402
                              fit_power_law, has_finite_loss, is_default_lr, is_seed0, load_points,
                              resolve_sigma, select_arms, size_label, usable_arms)
 
@@ -80,21 +80,25 @@ def plot_loss_vs_compute(arms: dict, convention: str, path: str) -> str:
 
 
 def plot_multiplier(arms: dict, baseline: str, convention: str, sigma: float, n_boot: int, seed: int,
-                    path: str) -> str:
-    """M(C) of every non-baseline arm over ``baseline`` with its 5-95% bootstrap band; writes ``path``."""
+                    path: str, baseline_shared=None) -> str:
+    """M(C) of every non-baseline arm over ``baseline`` with its 5-95% bootstrap band; writes ``path``.
+
+    baseline_shared: the baseline's shared-rule `ArmPoints`, which an arm trained at the shared rule
+    only is compared with (`baseline_at_rule`) when the baseline's own points are at its own rule."""
     colors = _colors(list(arms))
-    b = arms[baseline]
     fig, ax = plt.subplots(figsize=(7, 4.8))
-    c_max = max(a.C.max() for a in arms.values())
     for name, a in arms.items():
         if name == baseline:
             continue
-        grid = np.geomspace(min(a.C.min(), b.C.min()), c_max, 80)
+        b = baseline_at_rule(arms[baseline], baseline_shared, a.lr_rule)
+        # the reach of the two fits compared, as `experiments.fit`'s C_max
+        grid = np.geomspace(min(a.C.min(), b.C.min()), max(a.C.max(), b.C.max()), 80)
         boot = bootstrap_multiplier(b.C, b.L, a.C, a.L, sigma, C_eval=np.append(grid, a.C), n_boot=n_boot, seed=seed)
         g = len(grid)
         col = colors[name]
         ax.fill_between(grid, boot.lo[:g], boot.hi[:g], color=col, alpha=0.2, lw=0)
-        ax.plot(grid, boot.M[:g], color=col, label=f"{name}: M(C_max) = {boot.M[g - 1]:.3g} "
+        at = f" (vs {baseline} at the shared rule)" if b is not arms[baseline] else ""
+        ax.plot(grid, boot.M[:g], color=col, label=f"{name}{at}: M(C_max) = {boot.M[g - 1]:.3g} "
                                                    f"[{boot.lo[g - 1]:.3g}, {boot.hi[g - 1]:.3g}]")
         ax.plot(a.C, boot.M[g:], "o", color=col, ms=5)
     ax.axhline(1.0, color="0.3", ls="--", lw=1)
@@ -168,7 +172,8 @@ def make_plots(records: Sequence[dict], out_dir: str, baseline: str = "k2", n_bo
         written.append(plot_loss_vs_compute(arms, conv, os.path.join(out_dir, f"loss_vs_compute_{conv}.png")))
         if len(arms) > 1:
             written.append(plot_multiplier(arms, baseline, conv, sigma_value, n_boot, seed,
-                                           os.path.join(out_dir, f"multiplier_{conv}.png")))
+                                           os.path.join(out_dir, f"multiplier_{conv}.png"),
+                                           arm_points(records, conv, rule="shared").get(baseline)))
     lr = plot_lr_sweep(records, os.path.join(out_dir, "lr_sweep.png"))
     if lr:
         written.append(lr)
