@@ -12,15 +12,20 @@ inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched
 (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move at least (each distinct routed
 expert's three matrices once, plus x and y), that over the time as a fraction of the device's HBM
 bandwidth, and the gather path's time over this one. Before timing each output is checked against the
-gather path (max |difference| over its max |value|).
+gather path (max |difference| over its max |value|). With --kernel_time each row also has the GPU's
+kernel time per call from a profiler trace: a call this short can be bound by the host's dispatch,
+which the pipelined time then measures instead of the kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
+import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +50,27 @@ def make_inputs(N, K, E, D, F, seed=0):
     return x, w, idx
 
 
-def bench(shape, variants, iters):
-    """Rows of {impl, variant, ms, bytes, hbm_frac, gather_over_this, max_rel_diff} for one shape."""
+def kernel_seconds(fn, args, calls: int = 10) -> tuple[float, dict]:
+    """(device kernel seconds per call of ``fn(*args)``, {kernel: ms per call}) from a profiler trace of
+    ``calls`` calls: the time the GPU spends in the call's kernels, without the host's dispatch, which
+    for a call of a few tens of microseconds can exceed it and set `pipelined_seconds`."""
+    from experiments.profile_step import parse_trace
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            outs = [fn(*args) for _ in range(calls)]
+            jax.block_until_ready(outs)
+        traces = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not traces:
+            raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {d}")
+        res = parse_trace(traces[0], calls)
+    return res["total_ms"] / 1e3, {k: v[0] for k, v in sorted(res["kernels"].items(), key=lambda kv: -kv[1][0])}
+
+
+def bench(shape, variants, iters, kernel_time: bool = False):
+    """Rows of {impl, variant, ms, bytes, hbm_frac, gather_over_this, max_rel_diff} for one shape; with
+    ``kernel_time`` also kernel_ms, kernel_hbm_frac and kernels ({name: ms per call}, `kernel_seconds`)."""
     N, K, E, D, F = shape
     x, (wg, wu, wd), idx = make_inputs(N, K, E, D, F)
     act = functools.partial(glu_parts_output, kind="situ", beta_gate=BETAS[0], beta_up=BETAS[1])
@@ -84,6 +108,10 @@ def bench(shape, variants, iters):
         t = pipelined_seconds(fn, args, iters)
         rows.append(dict(impl=name, variant=variant, shape=list(shape), distinct_experts=experts, ms=t * 1e3,
                          bytes=nbytes, hbm_frac=nbytes / t / hbm if hbm else None, max_rel_diff=err))
+        if kernel_time:
+            tk, kernels = kernel_seconds(fn, args)
+            rows[-1].update(kernel_ms=tk * 1e3, kernel_hbm_frac=nbytes / tk / hbm if hbm and tk else None,
+                            kernels=kernels)
     for r in rows:
         r["gather_over_this"] = rows[0]["ms"] / r["ms"]
     return rows
@@ -98,6 +126,8 @@ def main(argv=None):
                     "32:128:4:4:g",
                     help="block_in:block_out:warps:stages[:d|:g[N]], comma-separated")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--kernel_time", action="store_true",
+                    help="also each call's device kernel time from a profiler trace (without host dispatch)")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     try:
@@ -106,17 +136,20 @@ def main(argv=None):
         shape = ()
     if len(shape) != 5 or shape[1] > shape[2]:
         raise SystemExit(f"--shape must be NxKxExDxF with K <= E; got {a.shape!r}")
-    rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters)
-    print(f"{'impl':8s} {'variant':>14s} {'ms':>8s} {'HBM':>5s} {'gather/this':>11s} {'rel diff':>9s}")
+    rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters, a.kernel_time)
+    pct = lambda x: f"{x:5.0%}" if x is not None else "    -"
+    print(f"{'impl':8s} {'variant':>14s} {'ms':>8s} {'HBM':>5s} {'gather/this':>11s} {'rel diff':>9s}"
+          + (f" {'kernel ms':>9s} {'HBM':>5s}" if a.kernel_time else ""))
     for r in rows:
-        frac = f"{r['hbm_frac']:5.0%}" if r["hbm_frac"] is not None else "    -"
-        print(f"{r['impl']:8s} {r['variant']:>14s} {r['ms']:8.4f} {frac} {r['gather_over_this']:11.2f} "
-              f"{r['max_rel_diff']:9.2e}")
+        print(f"{r['impl']:8s} {r['variant']:>14s} {r['ms']:8.4f} {pct(r['hbm_frac'])} {r['gather_over_this']:11.2f} "
+              f"{r['max_rel_diff']:9.2e}" + (f" {r['kernel_ms']:9.4f} {pct(r['kernel_hbm_frac'])}" if a.kernel_time else ""))
     print(f"{rows[0]['distinct_experts']} distinct experts of {shape[2]}; {rows[0]['bytes'] / 1e6:.1f} MB per call")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": "python -m pallas_kernels.bench_moe_decode " + " ".join(argv),
-                       "device": jax.devices()[0].device_kind, "timing": "pipelined", "rows": rows}, f, indent=1)
+                       "device": jax.devices()[0].device_kind,
+                       "timing": "pipelined" + (", kernel time from a profile" if a.kernel_time else ""),
+                       "rows": rows}, f, indent=1)
     return rows
 
 

@@ -32,6 +32,10 @@ def test_moe_decode_bench_rows_and_json(tmp_path):
     assert 2 <= rows[0]["distinct_experts"] <= 5 and rows[0]["bytes"] >= 2 * 3 * 16 * 32 * 2
     saved = json.loads(out.read_text())
     assert saved["command"].startswith("python -m pallas_kernels.bench_moe_decode --shape=3x2x5x16x32")
+    # the profiled kernel time (on a CPU the trace's host-side XLA ops): positive, and its kernels named
+    timed = bench_moe_decode.main(["--shape=3x2x5x16x32", "--variants=16:32:4:2:g", "--iters=1", "--kernel_time"])
+    assert all(r["kernel_ms"] > 0 and r["kernels"] and sum(r["kernels"].values()) == pytest.approx(r["kernel_ms"])
+               for r in timed)
     with pytest.raises(SystemExit, match="NxKxExDxF"):
         bench_moe_decode.main(["--shape=3x6x5x16x32"])
     with pytest.raises(SystemExit, match="block_in:block_out"):
