@@ -5,9 +5,10 @@ XLA's gathered experts (`k3.moe.layer.gathered_experts`), side by side, as fract
 
 Shape NxKxExDxF: N tokens, top-K routes each (distinct experts per token, drawn at random), E experts
 of width D and hidden F (K3's served d_model 1024 model: 64 experts, top 4, latent 512, hidden 1024).
-Variants: block_in:block_out:warps:stages[:d|:g[N]] (`routed_glu`'s tile rows, tile columns, Triton warps
-and pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g: `grouped_glu`, the
-routes grouped by expert, with these tiles; gN: with N columns per down-projection program). bf16 weights and
+Variants: block_in:block_out:warps:stages[:d|:g[N]|:f[N]] (`routed_glu`'s tile rows, tile columns, Triton
+warps and pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g: `grouped_glu`,
+the routes grouped by expert, with these tiles; gN: with N columns per down-projection program; f[N]:
+`grouped_glu_fused`, the same in one kernel, N down-projection columns per step). bf16 weights and
 inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back
 (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move at least (each distinct routed
 expert's three matrices once, plus x and y), that over the time as a fraction of the device's HBM
@@ -35,7 +36,7 @@ from k3.ffn import glu_parts_output
 from k3.hardware import device_hbm_bandwidth
 from k3.moe.layer import gathered_experts
 from pallas_kernels.common import pipelined_seconds
-from pallas_kernels.moe_decode import grouped_glu, routed_glu
+from pallas_kernels.moe_decode import grouped_glu, grouped_glu_fused, routed_glu
 
 BETAS = (4.0, 25.0)
 
@@ -83,11 +84,13 @@ def bench(shape, variants, iters, kernel_time: bool = False):
         parts = v.split(":")
         flag = parts[4] if len(parts) == 5 else ""
         try:
-            if len(parts) not in (4, 5) or not (flag in ("", "d", "g") or (flag[:1] == "g" and flag[1:].isdigit())):
+            if len(parts) not in (4, 5) or not (flag in ("", "d", "g", "f")
+                                                 or (flag[:1] in "gf" and flag[1:].isdigit())):
                 raise ValueError
             b_in, b_out, warps, stages = (int(p) for p in parts[:4])
         except ValueError:
-            raise SystemExit(f"--variants entries are block_in:block_out:warps:stages[:d|:g[N]]; got {v!r}") from None
+            raise SystemExit("--variants entries are block_in:block_out:warps:stages[:d|:g[N]|:f[N]]; "
+                             f"got {v!r}") from None
         tiles = dict(block_in=b_in, block_out=b_out, num_warps=warps, num_stages=stages)
         down = dict(block_out_down=int(flag[1:])) if flag[1:].isdigit() else {}
 
@@ -98,8 +101,11 @@ def bench(shape, variants, iters, kernel_time: bool = False):
         def run_grouped(x, i, a, b, c, tiles=tiles, down=down):
             return grouped_glu(x, i, a, b, c, act=act, **tiles, **down)
 
-        grouped = flag[:1] == "g"
-        impls.append(("grouped", v, jax.jit(run_grouped)) if grouped else ("pallas", v, jax.jit(run)))
+        def run_fused(x, i, a, b, c, tiles=tiles, down=down):
+            return grouped_glu_fused(x, i, a, b, c, act=act, **tiles, **down)
+
+        impls.append({"g": ("grouped", v, jax.jit(run_grouped)),
+                      "f": ("fused", v, jax.jit(run_fused))}.get(flag[:1], ("pallas", v, jax.jit(run))))
     args = (x, idx, wg, wu, wd)
     ref = np.asarray(gather(*args), np.float32)
     rows = []
@@ -124,7 +130,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="64:128:4:3,128:128:8:3,64:64:4:3,128:128:8:3:g,128:128:8:3:g64,"
                     "128:128:8:3:g32,64:128:8:3:g,128:64:4:3:g,128:64:4:3:g32,64:256:8:3:g,128:128:4:2:g,"
                     "32:128:4:4:g",
-                    help="block_in:block_out:warps:stages[:d|:g[N]], comma-separated")
+                    help="block_in:block_out:warps:stages[:d|:g[N]|:f[N]], comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--kernel_time", action="store_true",
                     help="also each call's device kernel time from a profiler trace (without host dispatch)")
@@ -141,8 +147,9 @@ def main(argv=None):
     print(f"{'impl':8s} {'variant':>14s} {'ms':>8s} {'HBM':>5s} {'gather/this':>11s} {'rel diff':>9s}"
           + (f" {'kernel ms':>9s} {'HBM':>5s}" if a.kernel_time else ""))
     for r in rows:
+        tail = f" {r['kernel_ms']:9.4f} {pct(r['kernel_hbm_frac'])}" if a.kernel_time else ""
         print(f"{r['impl']:8s} {r['variant']:>14s} {r['ms']:8.4f} {pct(r['hbm_frac'])} {r['gather_over_this']:11.2f} "
-              f"{r['max_rel_diff']:9.2e}" + (f" {r['kernel_ms']:9.4f} {pct(r['kernel_hbm_frac'])}" if a.kernel_time else ""))
+              f"{r['max_rel_diff']:9.2e}{tail}")
     print(f"{rows[0]['distinct_experts']} distinct experts of {shape[2]}; {rows[0]['bytes'] / 1e6:.1f} MB per call")
     if a.json:
         with open(a.json, "w") as f:

@@ -32,6 +32,9 @@ sums; an expert no route uses loads nothing. The extra rows cost tensor-core tim
 decode step has to spare; there is no sort and nothing drops.
 The down-projection's programs store their routes' rows in route order (a one-hot [routes, M] tile
 product picks each route's token row), so the output is [N, k, D] without a gather kernel after it.
+`grouped_glu_fused` does both projections in one kernel: program (expert, column block of h) forms its
+block of h and multiplies it by W_down's rows of that block at once, storing fp32 partial sums that the
+caller folds, so the down weights stream in the same wave of programs as gate/up's.
 The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
 """
 
@@ -245,3 +248,77 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_down",
     )(idx_R, h, w_down_EFD)
     return y[: N * k].reshape(N, k, D)
+
+
+def _grouped_fused_kernel(idx_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, act, block_d, block_o, D, k, exact):
+    M, bf = x_ref.shape[0], wg_ref.shape[1]
+    R = y_ref.shape[0]
+    mine, used = _routes_here(idx_ref)
+
+    @pl.when(used)
+    def _():
+        def up(i, acc):
+            rows = pl.ds(i * block_d, block_d)
+            x = x_ref[:, rows]
+            return (acc[0] + tile_dot(x, wg_ref[rows, :], ((1,), (0,)), exact),
+                    acc[1] + tile_dot(x, wu_ref[rows, :], ((1,), (0,)), exact))
+
+        zero = jnp.zeros((M, bf), jnp.float32)
+        g, u = lax.fori_loop(0, D // block_d, up, (zero, zero))
+        h = act(g, u).astype(x_ref.dtype)  # rounded as the two-kernel form stores it
+        token = lax.broadcasted_iota(jnp.int32, (R, M), 0) // k
+        pick = (token == lax.broadcasted_iota(jnp.int32, (R, M), 1)).astype(h.dtype)
+        # The one-hot product first: [R, bf] routes' rows of h, so each down tile lands in route order.
+        h_R = tile_dot(pick, h, ((1,), (0,)), exact).astype(h.dtype)
+        mask = jnp.broadcast_to(mine[:, None], (R, block_o))
+
+        @pl.loop(0, D // block_o)
+        def _(c):
+            cols = pl.ds(c * block_o, block_o)
+            part = tile_dot(h_R, wd_ref[:, cols], ((1,), (0,)), exact)
+            pltriton.store(y_ref.at[:, cols], part, mask=mask)
+
+
+def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
+                      block_out: int = 0, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
+                      interpret: bool | None = None):
+    """`grouped_glu` as one kernel: y [N, k, D] (x's dtype), each routed expert's three matrices read once.
+
+    Program (e, j) forms h's column block j for expert e's routes (the gate/up walk over D, as
+    `grouped_glu`), then multiplies it by W_down[e]'s rows of that block, block_out_down columns at a
+    time, and stores the fp32 partial sums of its routes' rows into slice j of a [F / block_out, routes,
+    D] array, which the caller's sum over j folds (XLA fuses that sum into the kernel reading y). No
+    hidden activations go through memory and the down weights stream in the same wave as gate/up's.
+    Shapes and dtypes as `grouped_glu`; block_in as there; block_out: h's columns per program (F's block;
+    0: 128 up to 64 tokens, else 64); block_out_down: W_down's columns per step (0: 128)."""
+    N, D = x_ND.shape
+    E, _, F = w_gate_EDF.shape
+    k = idx_Nk.shape[-1]
+    if (idx_Nk.ndim != 2 or idx_Nk.shape[0] != N or w_up_EDF.shape != (E, D, F)
+            or w_down_EFD.shape != (E, F, D)):
+        raise ValueError(f"grouped_glu_fused: shapes x {x_ND.shape}, idx {idx_Nk.shape}, w_gate "
+                         f"{w_gate_EDF.shape}, w_up {w_up_EDF.shape}, w_down {w_down_EFD.shape} do not match")
+    if not routed_glu_supported(D, F):
+        raise ValueError(f"grouped_glu_fused: D = {D} and F = {F} must be powers of two >= 16")
+    interpret = default_interpret() if interpret is None else interpret
+    M = pow2_at_least_16(N)
+    x_MD = jnp.pad(x_ND, ((0, M - N), (0, 0)))
+    flat = idx_Nk.reshape(-1).astype(jnp.int32)
+    routes = pow2_at_least_16(flat.shape[0])
+    idx_R = jnp.pad(flat, (0, routes - flat.shape[0]), constant_values=-1)
+    exact = jnp.dtype(x_ND.dtype) == jnp.float32
+    block_in = block_in or (128 if M <= 16 else 64)
+    block_out = block_out or (128 if M <= 64 else 64)
+    bf, bd_in, bo = min(block_out, F), min(block_in, D), min(block_out_down or 128, D)
+    parts = pl.pallas_call(
+        functools.partial(_grouped_fused_kernel, act=act, block_d=bd_in, block_o=bo, D=D, k=k, exact=exact),
+        grid=(E, F // bf),
+        in_specs=[pl.BlockSpec((routes,), lambda e, j: (0,)), pl.BlockSpec((M, D), lambda e, j: (0, 0)),
+                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
+                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
+                  pl.BlockSpec((None, bf, D), lambda e, j: (e, j, 0))],
+        out_specs=pl.BlockSpec((None, routes, D), lambda e, j: (j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((F // bf, routes, D), jnp.float32), interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_fused",
+    )(idx_R, x_MD, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return jnp.sum(parts[:, : N * k], axis=0).astype(x_ND.dtype).reshape(N, k, D)

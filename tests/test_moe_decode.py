@@ -14,7 +14,7 @@ from conftest import greedy_step_logits, tiny_model_cfg
 from k3.ffn import glu_parts_output
 from k3.moe.layer import (DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts, gathered_experts,
                           grouped_routed_experts, pallas_routed_experts)
-from pallas_kernels.moe_decode import grouped_glu, routed_glu, routed_glu_supported
+from pallas_kernels.moe_decode import grouped_glu, grouped_glu_fused, routed_glu, routed_glu_supported
 
 BETAS = (4.0, 25.0)
 
@@ -73,7 +73,8 @@ def _distinct_routes(rng, N, k, E, skew):
     (70, 2, 8, 16, 128, 0, 0, 0, False),      # N > 64 (M = 128): 64-column programs by default
 ])
 @pytest.mark.parametrize("kind", ["situ", "swiglu"])
-def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, down, skew, kind, x64):
+@pytest.mark.parametrize("glu", [grouped_glu, grouped_glu_fused], ids=["two_kernels", "one_kernel"])
+def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, down, skew, kind, glu, x64):
     rng = np.random.default_rng(N * 100 + E)
     x = rng.normal(size=(N, D))
     idx = _distinct_routes(rng, N, k, E, skew)
@@ -81,12 +82,12 @@ def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, 
     act = functools.partial(glu_parts_output, kind=kind, beta_gate=BETAS[0], beta_up=BETAS[1])
     want = _loop64(np.repeat(x, k, axis=0), idx.reshape(-1), wg, wu, wd, kind).reshape(N, k, D)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    got = grouped_glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
-                      block_out=block_out, block_out_down=down)
+    got = glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
+              block_out=block_out, block_out_down=down)
     assert got.shape == (N, k, D) and got.dtype == jnp.float32
     assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    got16 = grouped_glu(bf(x), jnp.asarray(idx), bf(wg), bf(wu), bf(wd), act=act)
+    got16 = glu(bf(x), jnp.asarray(idx), bf(wg), bf(wu), bf(wd), act=act)
     assert got16.dtype == jnp.bfloat16
     assert np.abs(np.asarray(got16, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
 
@@ -107,6 +108,10 @@ def test_routed_glu_rejects_bad_shapes():
         grouped_glu(jnp.zeros((2, 16)), jnp.zeros((3, 1), jnp.int32), w16, w16, w16, act=act)
     with pytest.raises(ValueError, match="do not match"):
         grouped_glu(jnp.zeros((2, 16)), jnp.zeros((2, 1), jnp.int32), w16, w16, jnp.zeros((3, 32, 16)), act=act)
+    with pytest.raises(ValueError, match="powers of two"):
+        grouped_glu_fused(jnp.zeros((2, 24)), jnp.zeros((2, 1), jnp.int32), w, w, jnp.zeros((3, 16, 24)), act=act)
+    with pytest.raises(ValueError, match="do not match"):
+        grouped_glu_fused(jnp.zeros((2, 16)), jnp.zeros((3, 1), jnp.int32), w16, w16, w16, act=act)
 
 
 @pytest.mark.parametrize("D", [32, 24])  # 24: not a power of two, the Pallas entry takes the gather form
