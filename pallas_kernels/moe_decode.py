@@ -150,19 +150,22 @@ def _routes_here(idx_ref):
     return mine, jnp.sum(mine.astype(jnp.int32)) > 0
 
 
-def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
-    M, bf = h_ref.shape
+def _gate_up_block(x_ref, wg_ref, wu_ref, *, block_d, D, exact):
+    """(x W_gate, x W_up) [M, block_f] fp32 of a program's weight column block, walking D in block_d steps."""
+    def step(i, acc):
+        rows = pl.ds(i * block_d, block_d)
+        x = x_ref[:, rows]
+        return (acc[0] + tile_dot(x, wg_ref[rows, :], ((1,), (0,)), exact),
+                acc[1] + tile_dot(x, wu_ref[rows, :], ((1,), (0,)), exact))
 
+    zero = jnp.zeros((x_ref.shape[0], wg_ref.shape[1]), jnp.float32)
+    return lax.fori_loop(0, D // block_d, step, (zero, zero))
+
+
+def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
     @pl.when(_routes_here(idx_ref)[1])
     def _():
-        def step(i, acc):
-            rows = pl.ds(i * block_d, block_d)
-            x = x_ref[:, rows]
-            return (acc[0] + tile_dot(x, wg_ref[rows, :], ((1,), (0,)), exact),
-                    acc[1] + tile_dot(x, wu_ref[rows, :], ((1,), (0,)), exact))
-
-        zero = jnp.zeros((M, bf), jnp.float32)
-        g, u = lax.fori_loop(0, D // block_d, step, (zero, zero))
+        g, u = _gate_up_block(x_ref, wg_ref, wu_ref, block_d=block_d, D=D, exact=exact)
         h_ref[...] = act(g, u).astype(h_ref.dtype)
 
 
@@ -186,6 +189,28 @@ def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact)
                        mask=jnp.broadcast_to(mine[:, None], (R, bd)))
 
 
+def _grouped_operands(name, x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """(N, D, E, F, k, x [M, D] padded to M = a power of two >= 16 rows, the flat route list [routes]
+    int32 padded with -1, whether the operands are fp32) of the grouped kernels; ValueError naming
+    ``name`` on shapes that do not match or D, F that are not powers of two >= 16."""
+    N, D = x_ND.shape
+    E, _, F = w_gate_EDF.shape
+    k = idx_Nk.shape[-1]
+    if (idx_Nk.ndim != 2 or idx_Nk.shape[0] != N or w_up_EDF.shape != (E, D, F)
+            or w_down_EFD.shape != (E, F, D)):
+        raise ValueError(f"{name}: shapes x {x_ND.shape}, idx {idx_Nk.shape}, w_gate {w_gate_EDF.shape}, "
+                         f"w_up {w_up_EDF.shape}, w_down {w_down_EFD.shape} do not match")
+    if not routed_glu_supported(D, F):
+        raise ValueError(f"{name}: D = {D} and F = {F} must be powers of two >= 16")
+    M = pow2_at_least_16(N)
+    x_MD = jnp.pad(x_ND, ((0, M - N), (0, 0)))
+    # Each program finds out from the route list whether its expert is used: a marks array built by XLA
+    # would be a scatter kernel of its own per layer.
+    flat = idx_Nk.reshape(-1).astype(jnp.int32)
+    idx_R = jnp.pad(flat, (0, pow2_at_least_16(flat.shape[0]) - flat.shape[0]), constant_values=-1)
+    return N, D, E, F, k, x_MD, idx_R, jnp.dtype(x_ND.dtype) == jnp.float32
+
+
 def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
                 block_out: int = 0, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
                 interpret: bool | None = None):
@@ -203,24 +228,10 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     programs per used expert against F / block_out for gate/up, so with D < F fewer columns per program
     keep as many programs streaming weights (at 8 tokens, top-4 of 64 experts, D 512, F 1024: about 84
     working programs at 128 columns for an H100's 132 SMs, 168 at 64)."""
-    N, D = x_ND.shape
-    E, _, F = w_gate_EDF.shape
-    k = idx_Nk.shape[-1]
-    if (idx_Nk.ndim != 2 or idx_Nk.shape[0] != N or w_up_EDF.shape != (E, D, F)
-            or w_down_EFD.shape != (E, F, D)):
-        raise ValueError(f"grouped_glu: shapes x {x_ND.shape}, idx {idx_Nk.shape}, w_gate {w_gate_EDF.shape}, "
-                         f"w_up {w_up_EDF.shape}, w_down {w_down_EFD.shape} do not match")
-    if not routed_glu_supported(D, F):
-        raise ValueError(f"grouped_glu: D = {D} and F = {F} must be powers of two >= 16")
+    N, D, E, F, k, x_MD, idx_R, exact = _grouped_operands("grouped_glu", x_ND, idx_Nk, w_gate_EDF, w_up_EDF,
+                                                          w_down_EFD)
+    M, routes = x_MD.shape[0], idx_R.shape[0]
     interpret = default_interpret() if interpret is None else interpret
-    M = pow2_at_least_16(N)
-    x_MD = jnp.pad(x_ND, ((0, M - N), (0, 0)))
-    # Each program finds out from the route list whether its expert is used: a marks array built by XLA
-    # would be a scatter kernel of its own per layer.
-    flat = idx_Nk.reshape(-1).astype(jnp.int32)
-    routes = pow2_at_least_16(flat.shape[0])
-    idx_R = jnp.pad(flat, (0, routes - flat.shape[0]), constant_values=-1)
-    exact = jnp.dtype(x_ND.dtype) == jnp.float32
     block_in = block_in or (128 if M <= 16 else 64)
     block_out = block_out or (128 if M <= 64 else 64)
     bf, bd_in = min(block_out, F), min(block_in, D)
@@ -251,20 +262,12 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
 
 
 def _grouped_fused_kernel(idx_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, act, block_d, block_o, D, k, exact):
-    M, bf = x_ref.shape[0], wg_ref.shape[1]
-    R = y_ref.shape[0]
+    M, R = x_ref.shape[0], y_ref.shape[0]
     mine, used = _routes_here(idx_ref)
 
     @pl.when(used)
     def _():
-        def up(i, acc):
-            rows = pl.ds(i * block_d, block_d)
-            x = x_ref[:, rows]
-            return (acc[0] + tile_dot(x, wg_ref[rows, :], ((1,), (0,)), exact),
-                    acc[1] + tile_dot(x, wu_ref[rows, :], ((1,), (0,)), exact))
-
-        zero = jnp.zeros((M, bf), jnp.float32)
-        g, u = lax.fori_loop(0, D // block_d, up, (zero, zero))
+        g, u = _gate_up_block(x_ref, wg_ref, wu_ref, block_d=block_d, D=D, exact=exact)
         h = act(g, u).astype(x_ref.dtype)  # rounded as the two-kernel form stores it
         token = lax.broadcasted_iota(jnp.int32, (R, M), 0) // k
         pick = (token == lax.broadcasted_iota(jnp.int32, (R, M), 1)).astype(h.dtype)
@@ -291,22 +294,10 @@ def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, bl
     hidden activations go through memory and the down weights stream in the same wave as gate/up's.
     Shapes and dtypes as `grouped_glu`; block_in as there; block_out: h's columns per program (F's block;
     0: 128 up to 64 tokens, else 64); block_out_down: W_down's columns per step (0: 128)."""
-    N, D = x_ND.shape
-    E, _, F = w_gate_EDF.shape
-    k = idx_Nk.shape[-1]
-    if (idx_Nk.ndim != 2 or idx_Nk.shape[0] != N or w_up_EDF.shape != (E, D, F)
-            or w_down_EFD.shape != (E, F, D)):
-        raise ValueError(f"grouped_glu_fused: shapes x {x_ND.shape}, idx {idx_Nk.shape}, w_gate "
-                         f"{w_gate_EDF.shape}, w_up {w_up_EDF.shape}, w_down {w_down_EFD.shape} do not match")
-    if not routed_glu_supported(D, F):
-        raise ValueError(f"grouped_glu_fused: D = {D} and F = {F} must be powers of two >= 16")
+    N, D, E, F, k, x_MD, idx_R, exact = _grouped_operands("grouped_glu_fused", x_ND, idx_Nk, w_gate_EDF,
+                                                          w_up_EDF, w_down_EFD)
+    M, routes = x_MD.shape[0], idx_R.shape[0]
     interpret = default_interpret() if interpret is None else interpret
-    M = pow2_at_least_16(N)
-    x_MD = jnp.pad(x_ND, ((0, M - N), (0, 0)))
-    flat = idx_Nk.reshape(-1).astype(jnp.int32)
-    routes = pow2_at_least_16(flat.shape[0])
-    idx_R = jnp.pad(flat, (0, routes - flat.shape[0]), constant_values=-1)
-    exact = jnp.dtype(x_ND.dtype) == jnp.float32
     block_in = block_in or (128 if M <= 16 else 64)
     block_out = block_out or (128 if M <= 64 else 64)
     bf, bd_in, bo = min(block_out, F), min(block_in, D), min(block_out_down or 128, D)

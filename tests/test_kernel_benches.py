@@ -23,7 +23,8 @@ def test_short_conv_bench_rows_and_json(tmp_path):
 
 def test_moe_decode_bench_rows_and_json(tmp_path):
     out = tmp_path / "moe.json"
-    rows = bench_moe_decode.main(["--shape=3x2x5x16x32", "--variants=16:16:4:1,8:32:2:2:d,16:32:4:2:g,16:32:4:2:g16,16:32:4:2:f16",
+    rows = bench_moe_decode.main(["--shape=3x2x5x16x32",
+                                  "--variants=16:16:4:1,8:32:2:2:d,16:32:4:2:g,16:32:4:2:g16,16:32:4:2:f16",
                                   "--iters=1", f"--json={out}"])
     assert [(r["impl"], r["variant"]) for r in rows] == [("gather", ""), ("pallas", "16:16:4:1"),
                                                         ("pallas", "8:32:2:2:d"), ("grouped", "16:32:4:2:g"),
