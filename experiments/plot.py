@@ -48,13 +48,12 @@ def _colors(names: Sequence[str]) -> dict:
 
 
 def plot_loss_vs_compute(arms: dict, convention: str, path: str) -> str:
-    """Log-log loss (nats) against compute (FLOPs) with each arm's power-law fit; writes ``path``."""
+    """Log-log loss (nats) against compute (FLOPs) with each arm's power-law fit over its own points'
+    range; writes ``path``."""
     colors = _colors(list(arms))
-    c_lo = min(a.C_all.min() for a in arms.values())
-    c_hi = max(a.C_all.max() for a in arms.values())
-    grid = np.geomspace(c_lo / 1.3, c_hi * 1.3, 100)
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for name, a in arms.items():
+        grid = np.geomspace(a.C_all.min() / 1.3, a.C_all.max() * 1.3, 100)
         fit = fit_power_law(a.C, a.L)
         col = colors[name]
         ax.plot(grid, fit.predict(grid), color=col, lw=1.2,
@@ -169,11 +168,15 @@ def make_plots(records: Sequence[dict], out_dir: str, baseline: str = "k2", n_bo
     written = []
     for conv in CONVENTIONS:
         arms, _ = usable_arms(arm_points(records, conv), baseline, warn=not written)
-        written.append(plot_loss_vs_compute(arms, conv, os.path.join(out_dir, f"loss_vs_compute_{conv}.png")))
+        shared = arm_points(records, conv, rule="shared").get(baseline)
+        shown = dict(arms)
+        # The baseline's shared-rule points too where an arm trained at that rule only is compared with them
+        if any(baseline_at_rule(arms[baseline], shared, a.lr_rule) is shared for a in arms.values()):
+            shown[f"{baseline} (shared rule)"] = shared
+        written.append(plot_loss_vs_compute(shown, conv, os.path.join(out_dir, f"loss_vs_compute_{conv}.png")))
         if len(arms) > 1:
             written.append(plot_multiplier(arms, baseline, conv, sigma_value, n_boot, seed,
-                                           os.path.join(out_dir, f"multiplier_{conv}.png"),
-                                           arm_points(records, conv, rule="shared").get(baseline)))
+                                           os.path.join(out_dir, f"multiplier_{conv}.png"), shared))
     lr = plot_lr_sweep(records, os.path.join(out_dir, "lr_sweep.png"))
     if lr:
         written.append(lr)
