@@ -2,7 +2,7 @@
 
     python -m experiments.bench_decode [--contexts=4096,32768,131072] [--models=k3,all_mla] [--batch=8] [--steps=64]
         [--d_model=1024 --n_layers=16] [--dtype=bfloat16] [--weights_dtype=same] [--layers=served|unrolled|scanned]
-        [--mla_decode=auto|xla|pallas|pallas_merged] [--moe_decode=auto|train|gather|pallas|grouped]
+        [--mla_decode=auto|xla|pallas|pallas_merged] [--moe_decode=auto|train|gather|pallas|grouped|grouped_fused]
         [--kda_decode=auto|xla|pallas]
         [--loop=scan|host]
         [--profile_top=0] [--hbm_bytes_per_s=0]

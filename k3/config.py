@@ -102,9 +102,10 @@ def default_config() -> ConfigDict:
     e.decode_impl = "auto"  # k3.moe.DECODE_EXPERTS, decoding with fewer routes than experts: 'auto'
     # ('grouped' on GPU, else 'train': the training backend), 'gather' (routed weights gathered), 'pallas'
     # (each route reads its expert's weights in place; pallas_kernels.moe_decode), 'grouped' (routes grouped
-    # by expert, each expert read once for all its routes)
-    e.decode_route_impl = "auto"  # k3.moe.DECODE_ROUTERS, those decoding calls' routing: 'xla'
-    # (MoE.route's ops) or 'pallas' (pallas_kernels.moe_route: one kernel, the router matmul in it if small)
+    # by expert, each expert read once for all its routes), 'grouped_fused' (the same in one kernel)
+    e.decode_route_impl = "auto"  # k3.moe.DECODE_ROUTERS, those decoding calls' routing: 'auto' ('pallas'
+    # on GPU, else 'xla'), 'xla' (MoE.route's ops) or 'pallas' (XLA's router GEMM, then
+    # pallas_kernels.moe_route's one kernel for the top-k and the weights)
 
     o = c.optim = ConfigDict()
     o.name = "muon"  # 'muon' (Muon for 2-D matrices, AdamW for the rest) or 'adamw'

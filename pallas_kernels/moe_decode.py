@@ -261,6 +261,9 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     return y[: N * k].reshape(N, k, D)
 
 
+FUSED_MAX_TOKENS = 64  # the most tokens `grouped_glu_fused`'s default tiles take without spilling (sm_90)
+
+
 def _grouped_fused_kernel(idx_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, act, block_d, block_o, D, k, exact):
     M, R = x_ref.shape[0], y_ref.shape[0]
     mine, used = _routes_here(idx_ref)
@@ -283,7 +286,7 @@ def _grouped_fused_kernel(idx_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, act,
 
 
 def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
-                      block_out: int = 0, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
+                      block_out: int = 64, block_out_down: int = 0, num_warps: int = 0, num_stages: int = 3,
                       interpret: bool | None = None):
     """`grouped_glu` as one kernel: y [N, k, D] (x's dtype), each routed expert's three matrices read once.
 
@@ -292,15 +295,22 @@ def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, bl
     time, and stores the fp32 partial sums of its routes' rows into slice j of a [F / block_out, routes,
     D] array, which the caller's sum over j folds (XLA fuses that sum into the kernel reading y). No
     hidden activations go through memory and the down weights stream in the same wave as gate/up's.
-    Shapes and dtypes as `grouped_glu`; block_in as there; block_out: h's columns per program (F's block;
-    0: 128 up to 64 tokens, else 64); block_out_down: W_down's columns per step (0: 128)."""
+    Shapes and dtypes as `grouped_glu`; block_in as there; block_out: h's columns per program (F's block);
+    block_out_down: W_down's columns per step (0: 128 up to 16 tokens, 64 up to 32, else 32); num_warps
+    0: 4 up to 16 tokens, else 8. At 8 tokens, top-4 of 64 experts, D 512, F 1024 on an H100, 64 columns
+    and 4 warps were the fastest of five tilings (`bench_moe_decode --kernel_time`: 26.8 us of kernel
+    time against 29.0 at 128 columns, 8 warps). Each program's [routes, block_out_down] product grows
+    with the tokens: compiled for sm_90 (`compile_report`), these defaults do not spill up to 64
+    tokens, while at 128 every tiling tried spills, so callers take `grouped_glu` above
+    `FUSED_MAX_TOKENS`."""
     N, D, E, F, k, x_MD, idx_R, exact = _grouped_operands("grouped_glu_fused", x_ND, idx_Nk, w_gate_EDF,
                                                           w_up_EDF, w_down_EFD)
     M, routes = x_MD.shape[0], idx_R.shape[0]
     interpret = default_interpret() if interpret is None else interpret
     block_in = block_in or (128 if M <= 16 else 64)
-    block_out = block_out or (128 if M <= 64 else 64)
-    bf, bd_in, bo = min(block_out, F), min(block_in, D), min(block_out_down or 128, D)
+    num_warps = num_warps or (4 if M <= 16 else 8)
+    block_out_down = block_out_down or (128 if M <= 16 else 64 if M <= 32 else 32)
+    bf, bd_in, bo = min(block_out or 64, F), min(block_in, D), min(block_out_down, D)
     parts = pl.pallas_call(
         functools.partial(_grouped_fused_kernel, act=act, block_d=bd_in, block_o=bo, D=D, k=k, exact=exact),
         grid=(E, F // bf),

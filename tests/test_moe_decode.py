@@ -12,8 +12,9 @@ from flax import nnx
 
 from conftest import greedy_step_logits, tiny_model_cfg
 from k3.ffn import glu_parts_output
-from k3.moe.layer import (DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts, gathered_experts,
-                          grouped_routed_experts, pallas_routed_experts)
+from k3.moe.layer import (ANY_ROUTES_DECODE, DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts,
+                          gathered_experts, grouped_fused_routed_experts, grouped_routed_experts,
+                          pallas_routed_experts)
 from pallas_kernels.moe_decode import grouped_glu, grouped_glu_fused, routed_glu, routed_glu_supported
 
 BETAS = (4.0, 25.0)
@@ -125,14 +126,36 @@ def test_decode_backends_equal_the_dense_reference(D):
     # kernel's exact fp32 sums on an H100), which would measure the reference, not the backends.
     with jax.default_matmul_precision("float32"):
         ref, _ = dense_experts(x, idx, *ws, "situ", BETAS)
-        for fn in (gathered_experts, pallas_routed_experts, grouped_routed_experts):
+        for fn in (gathered_experts, pallas_routed_experts, grouped_routed_experts, grouped_fused_routed_experts):
             np.testing.assert_allclose(fn(x, idx, *ws, "situ", BETAS), ref, rtol=2e-5, atol=2e-5)
     assert DECODE_EXPERTS.resolve("auto", "gpu") == "grouped" and DECODE_EXPERTS.resolve("auto", "cpu") == "train"
 
 
-@pytest.mark.parametrize("impl", ["gather", "pallas", "grouped"])
+def test_grouped_fused_backend_takes_the_two_kernel_form_past_its_token_bound(monkeypatch):
+    """'grouped_fused' runs the one-kernel form up to FUSED_MAX_TOKENS tokens (whose default tiles
+    compile without spills) and `grouped_glu` above; both equal the dense reference."""
+    import pallas_kernels.moe_decode as md
+
+    used = []
+    for name in ("grouped_glu", "grouped_glu_fused"):
+        inner = getattr(md, name)
+        monkeypatch.setattr(md, name, lambda *a, _f=inner, _n=name, **kw: used.append(_n) or _f(*a, **kw))
+    rng = np.random.default_rng(3)
+    E, D, F, k = 8, 16, 32, 2
+    ws = [jnp.asarray(w, jnp.float32) for w in _weights(rng, E, D, F)]
+    for N in (md.FUSED_MAX_TOKENS, md.FUSED_MAX_TOKENS + 1):
+        x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+        idx = jnp.asarray(_distinct_routes(rng, N, k, E, False))
+        with jax.default_matmul_precision("float32"):
+            ref, _ = dense_experts(x, idx, *ws, "situ", BETAS)
+            np.testing.assert_allclose(grouped_fused_routed_experts(x, idx, *ws, "situ", BETAS), ref,
+                                       rtol=2e-5, atol=2e-5)
+    assert used == ["grouped_glu_fused", "grouped_glu"]
+
+
+@pytest.mark.parametrize("impl", ["gather", "pallas", "grouped", "grouped_fused"])
 def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
-    """A decoding call takes the decode backend with fewer routes than experts; 'grouped' also with more,
+    """A decoding call takes the decode backend with fewer routes than experts; the grouped ones also with more,
     up to DROPLESS_DECODE_TOKENS tokens, dropless (equal to the dense reference)."""
     cfg = tiny_model_cfg(**{"moe.decode_impl": impl})
     moe = MoE(cfg, rngs=nnx.Rngs(0))
@@ -145,12 +168,12 @@ def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
     y_train, _ = moe(few)
     np.testing.assert_allclose(y_dec, y_train, rtol=2e-5, atol=2e-5)
     many = jax.random.normal(jax.random.key(2), (2, E, cfg.d_model))
-    y_many, st = moe(many, decode=True)  # N k >= E: the training backend, except for 'grouped'
+    y_many, st = moe(many, decode=True)  # N k >= E: the training backend, except for the grouped ones
     longer = jax.random.normal(jax.random.key(3), (1, DROPLESS_DECODE_TOKENS + 1, cfg.d_model))
     moe(longer, decode=True)  # past the dropless bound: the training backend for every impl
     width = cfg.moe.latent_dim or cfg.d_model
     assert routed_glu_supported(width, cfg.moe.expert_dim)  # so 'grouped' takes the call itself
-    assert calls == [(few.shape[1], k)] + ([(2 * E, k)] if impl == "grouped" else [])
+    assert calls == [(few.shape[1], k)] + ([(2 * E, k)] if impl in ANY_ROUTES_DECODE else [])
     assert float(st["dropped"]) == 0
     moe.experts = dense_experts
     np.testing.assert_allclose(y_many, moe(many)[0], rtol=2e-5, atol=2e-5)
@@ -182,7 +205,7 @@ def test_decode_with_many_routes_is_dropless_under_capacity():
 
 def test_model_decode_with_routed_experts_equals_the_training_backend():
     """Greedy token-by-token decoding of a tiny K3 (latent MoE, SiTU) with 'gather', 'pallas' and
-    'grouped' routed experts gives the logits of the training backend ('train')."""
+    'grouped' / 'grouped_fused' routed experts gives the logits of the training backend ('train')."""
     toks = jax.random.randint(jax.random.key(4), (2, 6), 0, 97)
 
     def run(impl):
@@ -190,5 +213,5 @@ def test_model_decode_with_routed_experts_equals_the_training_backend():
         return np.asarray(greedy_step_logits(cfg, toks, 16))
 
     want = run("train")
-    for impl in ("gather", "pallas", "grouped"):
+    for impl in ("gather", "pallas", "grouped", "grouped_fused"):
         np.testing.assert_allclose(run(impl), want, rtol=1e-4, atol=1e-4)

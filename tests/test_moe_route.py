@@ -105,7 +105,7 @@ def test_decode_routers_agree(N, D, E, k):
             idx, wts = DECODE_ROUTERS.get(name)(x, w, bias, k, 1.5)
         np.testing.assert_array_equal(np.asarray(idx), want_idx)
         np.testing.assert_allclose(np.asarray(wts, np.float64), want_w, rtol=1e-5, atol=1e-6)
-    assert DECODE_ROUTERS.resolve("auto", "cpu") == "xla"
+    assert DECODE_ROUTERS.resolve("auto", "cpu") == "xla" and DECODE_ROUTERS.resolve("auto", "gpu") == "pallas"
 
 
 def test_moe_decode_call_routes_through_the_decode_router():

@@ -25,15 +25,17 @@ keyed by ``model.moe.decode_impl``:
   'pallas'    `pallas_kernels.moe_decode.routed_glu`: each route reads its expert's weights once
               (widths that are not powers of two take 'gather'; interpreted off the GPU);
   'grouped'   `pallas_kernels.moe_decode.grouped_glu`: routes grouped by expert, each routed expert's
-              weights read once for all its routes, as tensor-core tile products (same fallbacks).
+              weights read once for all its routes, as tensor-core tile products (same fallbacks);
+  'grouped_fused'  the same in one kernel (`grouped_glu_fused`), no hidden activations in memory.
 'auto' is 'grouped' on a GPU (its equality tests pass compiled on an H100), 'train' elsewhere.
 A decoding call with N k >= E routes (e.g. verifying a speculative draft, or batch 64) runs the training
 backend; with at most `DROPLESS_DECODE_TOKENS` tokens the 'capacity' backend then gets C >= N rows per
 expert, so it drops nothing (top-k experts are distinct, so no expert gets more than N routes). The
-backends in `ANY_ROUTES_DECODE` ('grouped', which reads each expert once whatever its routes) take such
+backends in `ANY_ROUTES_DECODE` (the grouped ones, which read each expert once whatever its routes) take such
 calls of at most that many tokens themselves, without the capacity backend's sort and scatter.
 Those decoding calls pick their experts with an entry of `DECODE_ROUTERS` (``model.moe.decode_route_impl``:
-'xla', or 'pallas', `pallas_kernels.moe_route`'s kernels), the same selection as `MoE.route`'s.
+'xla', or 'pallas', `pallas_kernels.moe_route`'s kernel; 'auto': 'pallas' on a GPU), the same selection
+as `MoE.route`'s.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ FUSED_OUTPUTS = "w_out"  # `MoE.fuse_outputs`' stacked output matrix, an attribu
 
 # Decode backends that also take calls with N k >= E routes (of at most `DROPLESS_DECODE_TOKENS` tokens,
 # at widths their kernels take): one pass per expert however many routes it has, so nothing drops.
-ANY_ROUTES_DECODE = {"grouped"}
+ANY_ROUTES_DECODE = {"grouped", "grouped_fused"}
 
 # A decoding call's routing, keyed by ``model.moe.decode_route_impl``:
 #   'xla'     `MoE.route`'s ops (the router GEMM, its partial sums with the sigmoid, a top-k sort, a slice
@@ -192,8 +194,11 @@ ANY_ROUTES_DECODE = {"grouped"}
 #   'pallas'  XLA's router GEMM, then `pallas_kernels.moe_route`'s one kernel for the rest (shapes it
 #             does not take use 'xla').
 # An entry maps (x [N, D], router weight [D, E], bias [E], k, scaling) to (idx [N, k] int32, weights
-# [N, k] fp32), the selection of `MoE.route` without the balancing threshold.
-DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla")
+# [N, k] fp32), the selection of `MoE.route` without the balancing threshold. 'auto' is 'pallas' on a
+# GPU: its tests (tests/test_moe_route.py) pass compiled on an H100, and there (`experiments.bench_decode
+# --set=model.moe.decode_route_impl=...`, the model above with 'grouped' experts) the step took 1.35 /
+# 1.42 ms with 'pallas' / 'xla'.
+DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla", auto={"gpu": "pallas"})
 
 
 def router_logits(x_ND: jax.Array, w_router_DE: jax.Array) -> jax.Array:
@@ -267,6 +272,20 @@ def grouped_routed_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activ
         return gathered_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas)
     act = functools.partial(glu_parts_output, kind=activation, beta_gate=betas[0], beta_up=betas[1])
     return grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, act=act)
+
+
+@DECODE_EXPERTS.register("grouped_fused")
+def grouped_fused_routed_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas):
+    """'grouped' as one kernel, `pallas_kernels.moe_decode.grouped_glu_fused` (both projections in each
+    program) up to its `FUSED_MAX_TOKENS` tokens, `grouped_glu` above; same fallback."""
+    from pallas_kernels.moe_decode import FUSED_MAX_TOKENS, grouped_glu, grouped_glu_fused, routed_glu_supported
+
+    _, D, F = w_gate_EDF.shape
+    if not routed_glu_supported(D, F):
+        return gathered_experts(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, activation, betas)
+    act = functools.partial(glu_parts_output, kind=activation, beta_gate=betas[0], beta_up=betas[1])
+    glu = grouped_glu_fused if x_ND.shape[0] <= FUSED_MAX_TOKENS else grouped_glu
+    return glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, act=act)
 
 
 class MoE(nnx.Module):
