@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
-import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +32,7 @@ import numpy as np
 from k3.ffn import glu_parts_output
 from k3.hardware import device_hbm_bandwidth
 from k3.moe.layer import gathered_experts
-from pallas_kernels.common import pipelined_seconds
+from pallas_kernels.common import kernel_seconds, pipelined_seconds
 from pallas_kernels.moe_decode import grouped_glu, grouped_glu_fused, routed_glu
 
 BETAS = (4.0, 25.0)
@@ -49,24 +46,6 @@ def make_inputs(N, K, E, D, F, seed=0):
          for k, s in zip(ks[1:4], ((E, D, F), (E, D, F), (E, F, D)))]
     idx = jnp.argsort(jax.random.uniform(ks[4], (N, E)), axis=1)[:, :K].astype(jnp.int32)
     return x, w, idx
-
-
-def kernel_seconds(fn, args, calls: int = 10) -> tuple[float, dict]:
-    """(device kernel seconds per call of ``fn(*args)``, {kernel: ms per call}) from a profiler trace of
-    ``calls`` calls: the time the GPU spends in the call's kernels, without the host's dispatch, which
-    for a call of a few tens of microseconds can exceed it and set `pipelined_seconds`."""
-    from experiments.profile_step import parse_trace
-
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            outs = [fn(*args) for _ in range(calls)]
-            jax.block_until_ready(outs)
-        traces = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
-        if not traces:
-            raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {d}")
-        res = parse_trace(traces[0], calls)
-    return res["total_ms"] / 1e3, {k: v[0] for k, v in sorted(res["kernels"].items(), key=lambda kv: -kv[1][0])}
 
 
 def bench(shape, variants, iters, kernel_time: bool = False):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,32 +109,58 @@ def pipelined_seconds(fn, args, iters: int, repeats: int = 5) -> float:
 
 
 def kernel_bench_main(argv, *, doc: str, module: str, shape_help: str, default_shape: str, variants_help: str,
-                      default_variants: str, bench, label_header: str, label, extra_json: dict | None = None):
+                      default_variants: str, bench, label_header: str, label, extra_json: dict | None = None,
+                      options: Sequence[tuple[str, str]] = ()):
     """The command line the kernel-vs-jnp benchmarks share: parses --shape (4 dims, ``shape_help``),
     --variants, --iters and --json; runs ``bench(shape, variants, iters)``, which returns rows with
     impl, fwd_ms, fwdbwd_ms, their HBM fractions, jnp_over_this_* ratios and max_rel_diff_vs_jnp;
-    prints them (``label(row)`` names the variant) and writes the JSON with the exact command."""
+    prints them (``label(row)`` names the variant) and writes the JSON with the exact command.
+    options: (name, help) of boolean flags passed on to ``bench`` as keywords; a row's
+    ``fwd_kernel_ms`` (`kernel_seconds`), where present, is printed too."""
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--shape", default=default_shape, help=shape_help)
     ap.add_argument("--variants", default=default_variants, help=variants_help)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default="")
+    for name, help_text in options:
+        ap.add_argument(f"--{name}", action="store_true", help=help_text)
     a = ap.parse_args(argv)
     shape = tuple(int(x) for x in a.shape.split("x"))
     if len(shape) != 4:
         raise SystemExit(f"--shape must be {shape_help}; got {a.shape!r}")
-    rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters)
+    rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters,
+                 **{name: getattr(a, name) for name, _ in options})
     width = max(len(label_header), *(len(label(r)) for r in rows))
     print(f"{'impl':8s} {label_header:>{width}s} {'fwd ms':>8s} {'HBM':>5s} {'fwd+bwd ms':>10s} {'HBM':>5s} "
           f"{'jnp/this fwd':>12s} {'fwd+bwd':>8s} {'rel diff':>9s}")
     for r in rows:
         frac = lambda x: f"{x:5.0%}" if x is not None else "    -"  # noqa: E731
+        tail = (f"  fwd kernels {r['fwd_kernel_ms'] * 1e3:.1f} us {frac(r['fwd_kernel_hbm_frac'])}"
+                if "fwd_kernel_ms" in r else "")
         print(f"{r['impl']:8s} {label(r):>{width}s} {r['fwd_ms']:8.3f} {frac(r['fwd_hbm_frac'])} "
               f"{r['fwdbwd_ms']:10.3f} {frac(r['fwdbwd_hbm_frac'])} {r['jnp_over_this_fwd']:12.2f} "
-              f"{r['jnp_over_this_fwdbwd']:8.2f} {r['max_rel_diff_vs_jnp']:9.2e}")
+              f"{r['jnp_over_this_fwdbwd']:8.2f} {r['max_rel_diff_vs_jnp']:9.2e}{tail}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": f"python -m {module} " + " ".join(argv), "device": jax.devices()[0].device_kind,
                        **(extra_json or {}), "rows": rows}, f, indent=1)
     return rows
+
+
+def kernel_seconds(fn, args, calls: int = 10) -> tuple[float, dict]:
+    """(device kernel seconds per call of ``fn(*args)``, {kernel: ms per call}) from a profiler trace of
+    ``calls`` calls: the time the GPU spends in the call's kernels, without the host's dispatch, which
+    for a call of a few tens of microseconds can exceed it and set `pipelined_seconds`."""
+    from experiments.profile_step import parse_trace
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            outs = [fn(*args) for _ in range(calls)]
+            jax.block_until_ready(outs)
+        traces = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not traces:
+            raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {d}")
+        res = parse_trace(traces[0], calls)
+    return res["total_ms"] / 1e3, {k: v[0] for k, v in sorted(res["kernels"].items(), key=lambda kv: -kv[1][0])}

@@ -54,6 +54,10 @@ def test_attn_res_bench_rows_and_bad_shape(capsys):
     assert all(r["max_rel_diff_vs_jnp"] < 2e-2 for r in rows)
     assert (rows[1]["steps"], rows[1]["n_valid"], rows[2]["steps"], rows[2]["n_valid"]) == (1, 3, 4, 1)
     assert "block:warps:steps:n" in capsys.readouterr().out
+    # decode-sized: one token per row, the mix with its norm, the forward's kernel time profiled
+    timed = bench_attn_res.main(["--shape=3x2x1x16", "--variants=1:1,2:4", "--iters=1", "--kernel_time", "--norm"])
+    assert all(r["max_rel_diff_vs_jnp"] < 2e-2 and r["fwd_kernel_ms"] > 0 and r["fwd_kernels"] for r in timed)
+    assert "fwd kernels" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="MxBxTxD"):
         bench_attn_res.main(["--shape=2x16x16"])
 
