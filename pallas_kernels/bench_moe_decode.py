@@ -122,7 +122,7 @@ def main(argv=None):
     if len(shape) != 5 or shape[1] > shape[2]:
         raise SystemExit(f"--shape must be NxKxExDxF with K <= E; got {a.shape!r}")
     rows = bench(shape, [v for v in a.variants.split(",") if v], a.iters, a.kernel_time)
-    pct = lambda x: f"{x:5.0%}" if x is not None else "    -"
+    pct = lambda x: f"{x:5.0%}" if x is not None else "    -"  # noqa: E731
     print(f"{'impl':8s} {'variant':>14s} {'ms':>8s} {'HBM':>5s} {'gather/this':>11s} {'rel diff':>9s}"
           + (f" {'kernel ms':>9s} {'HBM':>5s}" if a.kernel_time else ""))
     for r in rows:
