@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import statistics
@@ -148,12 +149,28 @@ def kernel_bench_main(argv, *, doc: str, module: str, shape_help: str, default_s
     return rows
 
 
-def kernel_seconds(fn, args, calls: int = 10) -> tuple[float, dict]:
-    """(device kernel seconds per call of ``fn(*args)``, {kernel: ms per call}) from a profiler trace of
-    ``calls`` calls: the time the GPU spends in the call's kernels, without the host's dispatch, which
-    for a call of a few tens of microseconds can exceed it and set `pipelined_seconds`."""
-    from experiments.profile_step import parse_trace
+def trace_kernel_ms(events: list[dict]) -> dict:
+    """{kernel name: summed ms} of a Perfetto trace's complete events on the accelerator's processes
+    (those whose process_name names a device and not the host); on a trace with none (a CPU run) the
+    host's XLA op events, which carry an 'hlo_op' argument, instead."""
+    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:" in str(e.get("args", {}).get("name", ""))
+            and "host" not in str(e.get("args", {}).get("name", "")).lower()}
+    on_device = bool(pids)
+    out: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if (e.get("pid") in pids) if on_device else "hlo_op" in (e.get("args") or {}):
+            out[e["name"]] = out.get(e["name"], 0.0) + float(e["dur"]) / 1e3
+    return out
 
+
+def kernel_seconds(fn, args, calls: int = 10) -> tuple[float, dict]:
+    """(device kernel seconds per call of ``fn(*args)``, {kernel: ms per call}, largest first) from a
+    profiler trace of ``calls`` calls (`trace_kernel_ms`): the time the GPU spends in the call's
+    kernels, without the host's dispatch, which for a call of a few tens of microseconds can exceed it
+    and set `pipelined_seconds`."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -162,5 +179,8 @@ def kernel_seconds(fn, args, calls: int = 10) -> tuple[float, dict]:
         traces = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         if not traces:
             raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {d}")
-        res = parse_trace(traces[0], calls)
-    return res["total_ms"] / 1e3, {k: v[0] for k, v in sorted(res["kernels"].items(), key=lambda kv: -kv[1][0])}
+        with gzip.open(traces[0], "rt") as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    per_call = {k: v / calls for k, v in sorted(trace_kernel_ms(events).items(), key=lambda kv: -kv[1])}
+    return sum(per_call.values()) / 1e3, per_call

@@ -92,3 +92,18 @@ def test_gemm_bench_accumulate_times_both_ways(monkeypatch):
     r = rows[0]
     assert r["speedup"] == pytest.approx(r["old_ms"] / r["new_ms"])
     assert r["new_peak_frac"] == pytest.approx(2 * 2 * 8 * 16 * 8 / (r["new_ms"] * 1e-3) / 1e12)
+
+
+def test_trace_kernel_ms_sums_the_device_kernels_or_else_the_host_xla_ops():
+    """A GPU trace: only the device process's complete events count (not the host's, nor metadata); a CPU
+    trace without a device process: the XLA op events (those with an 'hlo_op' argument)."""
+    from pallas_kernels.common import trace_kernel_ms
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    gpu = meta + [{"ph": "X", "pid": 1, "name": "gemm", "dur": 3.0}, {"ph": "X", "pid": 1, "name": "gemm", "dur": 1.0},
+                  {"ph": "X", "pid": 1, "name": "pad", "dur": 0.5}, {"ph": "X", "pid": 2, "name": "py", "dur": 9.0}]
+    assert trace_kernel_ms(gpu) == {"gemm": 4.0e-3, "pad": 0.5e-3}
+    cpu = [meta[1], {"ph": "X", "pid": 2, "name": "dot.1", "dur": 2.0, "args": {"hlo_op": "dot.1"}},
+           {"ph": "X", "pid": 2, "name": "PjitFunction", "dur": 7.0, "args": {}}]
+    assert trace_kernel_ms(cpu) == {"dot.1": 2.0e-3}
