@@ -62,6 +62,7 @@ from k3.backends import COMPILE_CACHE_HELP, use_compile_cache
 from k3.hardware import device_hbm_bandwidth
 from k3.model import Model, served, unrolled
 from k3.params import count_params
+from pallas_kernels.common import device_pids
 
 
 def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode: str = "auto",
@@ -112,9 +113,8 @@ def kernel_stats(events: list[dict], top: int) -> dict:
     """`device_kernel_times`'s summary of a Perfetto trace's events (complete events of the
     processes named '/device:...'); {} when there are none. 'families': the ``top`` kernel families
     (`kernel_family`) as (family, fraction of all kernel time, launches)."""
-    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "/device:" in str(e.get("args", {}).get("name", ""))}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    pids = device_pids(events)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in pids]
     if not kernels:
         return {}
     total = collections.Counter()

@@ -943,7 +943,7 @@ def build_report(records: Sequence[dict], baseline: str = "k2", n_boot: int = 10
         report["conventions"][conv] = {"fits": fits, "comparisons": comparisons, "lr_rules": lr_rules(records, conv)}
         if any(a.lr_rule == "own" for a in arms.values()):
             report["conventions"][conv]["comparisons_shared_rule"] = _shared_rule_comparisons(
-                records, conv, baseline, list(arms), sigma_info["value"], n_boot, n_boot_E, seed)
+                shared_pts, baseline, list(arms), sigma_info["value"], n_boot, n_boot_E, seed)
     return report
 
 
@@ -956,10 +956,10 @@ def baseline_at_rule(best: ArmPoints, shared: ArmPoints | None, rule: str) -> Ar
     return best
 
 
-def _shared_rule_comparisons(records, conv, baseline, names, sigma, n_boot, n_boot_E, seed) -> dict:
-    """`_compare` of each arm of ``names`` with the baseline on shared-rule points only; an arm with
-    fewer than 2 such sizes gets {'skipped': why}, and so does the whole when the baseline has."""
-    arms = arm_points(records, conv, rule="shared")
+def _shared_rule_comparisons(arms, baseline, names, sigma, n_boot, n_boot_E, seed) -> dict:
+    """`_compare` of each arm of ``names`` with the baseline on shared-rule points only (``arms``: the
+    `arm_points` of rule 'shared'); an arm with fewer than 2 such sizes gets {'skipped': why}, and so
+    does the whole when the baseline has."""
     size_count = lambda name: len(arms[name].C) if name in arms else 0
     if size_count(baseline) < 2:
         return {"skipped": f"the baseline {baseline!r} has {size_count(baseline)} shared-rule size(s); needs 2"}

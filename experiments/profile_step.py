@@ -51,6 +51,7 @@ import jax  # noqa: E402
 from experiments.bench_train_step import build_config, synthetic_batch  # noqa: E402
 from k3.backends import COMPILE_CACHE_HELP, use_compile_cache  # noqa: E402
 from k3.steps import make_run  # noqa: E402
+from pallas_kernels.common import device_pids  # noqa: E402
 
 CATEGORIES = ("expert matmuls", "expert dispatch", "attention", "KDA", "AttnRes mixes", "optimizer",
               "fp32 matmuls", "dense matmuls", "copies/transposes", "norms/elementwise")
@@ -210,17 +211,6 @@ def _norm(name: str) -> str:
     return re.sub(r"[.\-]", "_", name)
 
 
-def _device_pids(events) -> set:
-    """Trace process ids of the accelerator (their process_name names a device, not the host)."""
-    pids = set()
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            label = str(e.get("args", {}).get("name", ""))
-            if "/device:" in label and "host" not in label.lower():
-                pids.add(e["pid"])
-    return pids
-
-
 def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict:
     """Category -> ms per step, and the top kernels, from a Perfetto JSON trace; ``op_context`` maps
     HLO instruction names to their scopes (`hlo_op_context`)."""
@@ -228,7 +218,7 @@ def parse_trace(path: str, n_steps: int, op_context: dict | None = None) -> dict
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    pids = _device_pids(events)
+    pids = device_pids(events)
     if not pids:  # CPU-only runs: the XLA ops of the host threads
         pids = {e["pid"] for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})}
     per_cat = collections.Counter()

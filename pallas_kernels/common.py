@@ -149,13 +149,22 @@ def kernel_bench_main(argv, *, doc: str, module: str, shape_help: str, default_s
     return rows
 
 
+def device_pids(events: list[dict]) -> set:
+    """Process ids of a Perfetto trace's accelerator (their process_name names a device, not the host)."""
+    pids = set()
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            label = str(e.get("args", {}).get("name", ""))
+            if "/device:" in label and "host" not in label.lower():
+                pids.add(e["pid"])
+    return pids
+
+
 def trace_kernel_ms(events: list[dict]) -> dict:
     """{kernel name: summed ms} of a Perfetto trace's complete events on the accelerator's processes
-    (those whose process_name names a device and not the host); on a trace with none (a CPU run) the
-    host's XLA op events, which carry an 'hlo_op' argument, instead."""
-    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "/device:" in str(e.get("args", {}).get("name", ""))
-            and "host" not in str(e.get("args", {}).get("name", "")).lower()}
+    (`device_pids`); on a trace with none (a CPU run) the host's XLA op events, which carry an 'hlo_op'
+    argument, instead."""
+    pids = device_pids(events)
     on_device = bool(pids)
     out: dict = {}
     for e in events:
