@@ -65,10 +65,15 @@ from k3.params import count_params
 from pallas_kernels.common import device_pids
 
 
+DECODE_MODELS = ("k3", "all_mla")  # the benchmarked models (`model_config`)
+
+
 def model_config(kind: str, d_model: int, n_layers: int, dtype: str, mla_decode: str = "auto",
                  moe_decode: str = "auto", kda_decode: str = "auto", sets=()):
     """The benchmarked model's config: the ladder's K3 arm at this width and depth ('all_mla': every
     mixer MLA), with the decode backends given and then ``sets`` ('model.KEY=VALUE') applied."""
+    if kind not in DECODE_MODELS:
+        raise SystemExit(f"unknown decode model {kind!r}: one of {', '.join(DECODE_MODELS)}")
     full = arm_config("k3", d_model, n_layers)
     cfg = full.model
     cfg.dtype = dtype
@@ -317,9 +322,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     use_compile_cache(a.compile_cache)
     kinds = [m for m in a.models.split(",") if m]
-    bad = sorted(set(kinds) - {"k3", "all_mla"})
+    bad = sorted(set(kinds) - set(DECODE_MODELS))
     if bad or not kinds:
-        p.error(f"--models: expected a comma list of 'k3' and 'all_mla'; got {a.models!r}")
+        p.error(f"--models: expected a comma list of {' and '.join(map(repr, DECODE_MODELS))}; got {a.models!r}")
     xla_options = {}
     for item in a.xla_option:
         key, sep, val = item.partition("=")

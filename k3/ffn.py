@@ -103,7 +103,11 @@ class GLUMLP(nnx.Module):
         self.w_down = param(rngs, normal(init_std), (d_ff, d_model), ("mlp", in_axis))
 
     def __call__(self, x_ND: jax.Array) -> jax.Array:
-        return jnp.einsum("...f,fd->...d", self.hidden(x_ND), cast(self.w_down, self.dtype))
+        return self.down(self.hidden(x_ND))
+
+    def down(self, hidden_NF: jax.Array) -> jax.Array:
+        """W_down of a hidden [..., F] (`hidden`'s output) -> [..., D]."""
+        return jnp.einsum("...f,fd->...d", hidden_NF, cast(self.w_down, self.dtype))
 
     def hidden(self, x_ND: jax.Array) -> jax.Array:
         """act(W_gate x, W_up x): [..., F] in the compute dtype, what W_down reads."""

@@ -466,11 +466,13 @@ def unrolled(model: Model) -> Model:
 def served(model: Model) -> Model:
     """The model as a decode server holds it: every layer unrolled (`unrolled`), each mixer's input
     projections fused into one matrix (`k3.nn.fuse_inputs`), each MLA's kv up-projection split into the
-    key and value halves its decode step reads (`k3.mla.layer.MLA.split_kv_up`) and each latent MoE's two
-    output projections stacked into one (`k3.moe.layer.MoE.fuse_outputs`), so a step reads each weight
-    once, in place. Same outputs up to matmul rounding; ``model`` itself is not changed. The fused weights are
-    a copy (made once, at load time or before a jitted decode loop); training the served model would
-    orthogonalise the fused matrix as one under Muon, so it is for inference only.
+    key and value halves its decode step reads (`k3.mla.layer.MLA.split_kv_up`), each MoE's router,
+    latent down-projection and shared gate/up stacked into one matrix (`k3.moe.layer.MoE.fuse_inputs`)
+    and each latent MoE's two output projections into another (`k3.moe.layer.MoE.fuse_outputs`), so a
+    step reads each weight once, in place. Same outputs up to matmul rounding; ``model`` itself is not
+    changed. The fused weights are a copy (made once, at load time or before a jitted decode loop);
+    training the served model would orthogonalise the fused matrix as one under Muon, so it is for
+    inference only.
     """
     graphdef, state = nnx.split(unrolled(model))
     out = nnx.merge(graphdef, state)  # new modules over the same arrays: the fusion below is local
@@ -478,7 +480,8 @@ def served(model: Model) -> Model:
         fuse = getattr(layer.mixer, "fuse_inputs", None)
         if fuse is not None and getattr(layer.mixer, FUSED_INPUTS, None) is None:
             fuse()
-        for split in (getattr(layer.mixer, "split_kv_up", None), getattr(layer.ffn, "fuse_outputs", None)):
+        for split in (getattr(layer.mixer, "split_kv_up", None), getattr(layer.ffn, "fuse_inputs", None),
+                      getattr(layer.ffn, "fuse_outputs", None)):
             if split is not None:
                 split()
     return out

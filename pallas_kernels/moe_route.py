@@ -19,8 +19,10 @@ Design (Pallas Triton). One program holds every token's E scores in registers ([
 powers of two) and runs k rounds of: row max, the lowest column attaining it, record, mask out.
 `route_topk` starts from the logits of XLA's router GEMM (N and E padded to powers of two; padding
 columns are never picked), which spreads the router's read over the GPU: a layer's routing is two
-launches. A version that formed the logits inside the one program too (walking W_r in row blocks) made
-K3's decode step twice as slow on an H100 (3.08 ms against 1.44, 15 routers of 1024 x 64, batch 8;
+launches, or one where the router's columns lead a wider matmul that XLA runs anyway (a served MoE's
+input matrix, `k3.moe.layer.MoE.fuse_inputs`), whose output the kernel reads in place. A version
+that formed the logits inside the one program too (walking W_r in row blocks) made K3's decode step
+twice as slow on an H100 (3.08 ms against 1.44, 15 routers of 1024 x 64, batch 8;
 BENCHMARKS.md): one program's serial loop of loads and reductions over D took about 0.1 ms a layer.
 The same source runs in Pallas interpret mode on a CPU (the tests) and compiled on a GPU.
 """
@@ -86,13 +88,15 @@ def route_topk(logits_NE: jax.Array, bias_E: jax.Array, k: int, scaling: float =
     """(idx [N, k] int32, weights [N, k] fp32): each token's top-k experts by sigmoid score plus bias and
     their normalised combine weights (see the module docstring).
 
-    logits: [N, E] router logits (any float dtype; used in fp32); bias: [E] selection bias; k: routes
-    per token (a power of two, `route_topk_supported`); scaling: the routed experts' output scale;
-    num_warps: 0 for one warp per 256 padded scores, from 4 to 32 (about 8 of each [M, E] array per
-    thread)."""
-    N, E = logits_NE.shape
-    if bias_E.shape != (E,):
+    logits: [N, C >= E] router logits in the first E columns, E = bias's length (any float dtype; used
+    in fp32); the columns past E are not read, so a wider matmul output that starts with the router's
+    columns is taken whole, without a copy of the slice (for N and E powers of two); bias: [E]
+    selection bias; k: routes per token (a power of two, `route_topk_supported`); scaling: the routed
+    experts' output scale; num_warps: 0 for one warp per 256 padded scores, from 4 to 32 (about 8 of
+    each [M, E] array per thread)."""
+    if logits_NE.ndim != 2 or bias_E.ndim != 1 or logits_NE.shape[1] < bias_E.shape[0]:
         raise ValueError(f"route_topk: bias {bias_E.shape} does not match logits {logits_NE.shape}")
+    N, E = logits_NE.shape[0], bias_E.shape[0]
     if not route_topk_supported(N, E, k):
         raise ValueError(f"route_topk: top-{k} of {E} experts for {N} tokens is not supported "
                          f"(k a power of two <= E, padded N x E <= {MAX_ROUTE_ELEMENTS})")
@@ -101,7 +105,7 @@ def route_topk(logits_NE: jax.Array, bias_E: jax.Array, k: int, scaling: float =
     num_warps = num_warps or min(32, max(4, M * Ep // 256))
     logits = logits_NE.astype(jnp.float32)
     if (M, Ep) != (N, E):
-        logits = jnp.pad(logits, ((0, M - N), (0, Ep - E)))
+        logits = jnp.pad(logits[:, :E], ((0, M - N), (0, Ep - E)))
         bias_E = jnp.pad(bias_E, (0, Ep - E))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     idx, w = pl.pallas_call(

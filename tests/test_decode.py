@@ -406,6 +406,8 @@ def test_bench_decode_runs_and_reports_both_models():
                                       "xla_gpu_enable_triton_gemm": False} and k3["xla_options"] == {}
     with pytest.raises(SystemExit):
         bench_decode.main(["--models=k3,mla"])
+    with pytest.raises(SystemExit, match="unknown decode model 'k2'"):  # `aot_report --decode`'s way in
+        bench_decode.model_config("k2", 64, 4, "float32")
     with pytest.raises(SystemExit):
         bench_decode.main(["--models=k3", "--xla_option=no_value"])
     mixed = bench_decode.bench("k3", 64, 4, 24, 2, 3, "bfloat16", "bfloat16", sets=["model.attn_res_impl=xla"])
@@ -460,7 +462,7 @@ def _exact_decode_logits(model, toks_BT, lengths_B, max_len: int, ends) -> list:
 def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides):
     """`served` = `unrolled` + each mixer's input projections as one [D, N] matrix (and each MLA's
     kv up-projection as its key and value halves, each latent MoE's two output projections as one
-    [L + F_s, D] matrix): the original
+    [L + F_s, D] matrix and its input projections with the router as one [D, E + L + 2 F_s]): the original
     weights are gone from the served layers (and kept by the model it came from), the fused matrix
     holds them side by side, and the logits of a forward pass and of a ragged prefill plus a decode
     step equal the unfused model's (full-precision matmuls; K3's KDA and gated MLA with a query
@@ -485,6 +487,11 @@ def test_served_model_fuses_the_input_projections_and_decodes_the_same(overrides
         assert layer.ffn.w_up_latent is None and layer.ffn.shared.w_down is None
         want = np.concatenate([np.asarray(ref.ffn.w_up_latent[...]), np.asarray(ref.ffn.shared.w_down[...])])
         np.testing.assert_array_equal(np.asarray(layer.ffn.w_out[...]), want)
+        # ... and its input matrices: [router | latent down | shared gate | shared up].
+        assert layer.ffn.router is None and layer.ffn.w_down_latent is None
+        want = np.concatenate([np.asarray(w[...]) for w in (ref.ffn.router, ref.ffn.w_down_latent,
+                                                             ref.ffn.shared.w_gate, ref.ffn.shared.w_up)], axis=1)
+        np.testing.assert_array_equal(np.asarray(layer.ffn.w_in[...]), want)
     assert n_moe >= 2
     # Each MLA's kv up-projection as the key and value halves its decode step reads.
     n_mla = 0

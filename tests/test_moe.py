@@ -183,3 +183,54 @@ def test_expert_backend_table_and_dropped_count_in_stats():
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     y, stats = moe(_x(5, (2, 9, cfg.d_model)))
     assert y.shape == (2, 9, cfg.d_model) and float(stats["dropped"]) > 0
+
+
+@pytest.mark.parametrize("latent,shared", [(16, 24), (0, 24), (16, 0)])
+def test_served_inputs_stack_the_router_latent_and_shared_matrices(latent, shared):
+    """`MoE.fuse_inputs`: [router | latent down | shared gate | shared up] as one [D, E + L + 2 F_s]
+    matrix, the originals gone; the layer's inputs (h, the shared hidden, the fp32 logits in the first
+    E columns) and its training and decoding outputs equal the unfused layer's (fp32 compute)."""
+    cfg = tiny_model_cfg(**{"moe.latent_dim": latent, "moe.shared_dim": shared, "moe.decode_impl": "grouped"})
+    ref, moe = MoE(cfg, rngs=nnx.Rngs(4)), MoE(cfg, rngs=nnx.Rngs(4))
+    moe.router_bias[...] = ref.router_bias[...] = _x(8, (cfg.moe.n_experts,)) * 0.05
+    moe.fuse_inputs()
+    parts = [ref.router[...]] + ([ref.w_down_latent[...]] if latent else []) + (
+        [ref.shared.w_gate[...], ref.shared.w_up[...]] if shared else [])
+    np.testing.assert_array_equal(np.asarray(moe.w_in[...]), np.concatenate(parts, axis=1))
+    assert moe.router is None and moe.w_down_latent is None
+    assert shared == 0 or (moe.shared.w_gate is None and moe.shared.w_up is None)
+    x = _x(9, (2, 5, cfg.d_model))
+    with jax.default_matmul_precision("highest"):
+        for i, (got, want) in enumerate(zip(moe.project_inputs(x[0]), ref.project_inputs(x[0]))):
+            if want is None:  # the unfused layer forms the shared hidden later
+                want = ref.shared.hidden(x[0]) if shared else None
+            assert (got is None) == (want is None)
+            if i == 2:  # the router's logits: the fused matmul's first E columns
+                got = got[:, :cfg.moe.n_experts]
+            if got is not None:
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        for decode in (False, True):
+            np.testing.assert_allclose(np.asarray(moe(x, decode=decode)[0]), np.asarray(ref(x, decode=decode)[0]),
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_served_router_logits_keep_the_stored_values():
+    """bf16 compute: with bf16 stored weights the one fp32-output matmul gives the router's logits of
+    those stored values; with fp32 stored weights the router's columns are read unrounded, not cast to
+    bf16 with the others (the rounded router's logits differ by far more than the tolerance)."""
+    cfg = tiny_model_cfg(**{"dtype": "bfloat16"})
+    x = _x(10, (6, cfg.d_model)).astype(jnp.bfloat16)
+    for stored in (jnp.float32, jnp.bfloat16):
+        moe = MoE(cfg, rngs=nnx.Rngs(5))
+        moe.router = nnx.Param(moe.router[...] * 40.0)  # logits of order 1, where bf16 rounding shows
+        for mod, name in ((moe, "router"), (moe, "w_down_latent"), (moe.shared, "w_gate"), (moe.shared, "w_up")):
+            setattr(mod, name, nnx.Param(getattr(mod, name)[...].astype(stored)))
+        router = np.asarray(moe.router[...], np.float64)
+        moe.fuse_inputs()
+        assert moe.w_in.dtype == stored
+        logits = moe.project_inputs(x)[2][:, :cfg.moe.n_experts]
+        want = np.asarray(x, np.float64) @ router
+        rounded = np.asarray(x, np.float64) @ np.asarray(jnp.asarray(router, jnp.bfloat16), np.float64)
+        np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=1e-5, atol=1e-5)
+        if stored == jnp.float32:
+            assert np.max(np.abs(rounded - want)) > 100 * 1e-5

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from conftest import greedy_step_logits, tiny_model_cfg
-from k3.moe.layer import DECODE_ROUTERS, MoE
+from k3.moe.layer import DECODE_ROUTERS, MoE, router_logits
 from pallas_kernels.moe_route import MAX_ROUTE_ELEMENTS, route_topk, route_topk_supported
 
 
@@ -73,10 +73,24 @@ def test_route_topk_nan_scores_rank_last_and_ids_stay_distinct():
     assert list(np.asarray(idx[0])) == [5, 2, 0, 6] and list(np.asarray(idx[1])) == [0, 1, 2, 3]
     assert list(np.asarray(idx[2])) == [0, 1, 2, 4]
     if jax.default_backend() == "cpu":
-        xla_idx, _ = DECODE_ROUTERS.get("xla")(jnp.eye(3, 3), jnp.asarray(logits[:1].repeat(3, 0)),
-                                               jnp.asarray(bias), 4, 1.0)
+        xla_idx, _ = DECODE_ROUTERS.get("xla")(jnp.asarray(logits), jnp.asarray(bias), 4, 1.0)
         assert list(np.asarray(xla_idx[0])) == [5, 2, 0, 6]
     assert np.isfinite(np.asarray(w[0])).all()
+
+
+@pytest.mark.parametrize("N,E", [(8, 16), (3, 10)])
+def test_route_topk_reads_the_first_e_columns_of_a_wider_array(N, E):
+    """Logits in the first E columns of [N, C] (a fused matmul's output): the selection of the [N, E]
+    slice alone, whatever the other columns hold (large values there would win if they were read)."""
+    rng = np.random.default_rng(N)
+    logits = rng.normal(size=(N, E)).astype(np.float32)
+    wide = np.concatenate([logits, np.full((N, 40), 50.0, np.float32)], axis=1)
+    bias = jnp.asarray(rng.normal(size=E) * 0.01, jnp.float32)
+    for route in (route_topk, DECODE_ROUTERS.get("xla"), DECODE_ROUTERS.get("pallas")):
+        idx, w = route(jnp.asarray(wide), bias, 2, 1.0)
+        want_idx, want_w = route_topk(jnp.asarray(logits), bias, 2, 1.0)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=1e-6)
 
 
 def test_route_kernels_reject_what_they_cannot_take():
@@ -86,15 +100,15 @@ def test_route_kernels_reject_what_they_cannot_take():
     with pytest.raises(ValueError, match="not supported"):
         route_topk(jnp.zeros((2, 2)), jnp.zeros(2), 4)  # k > E
     with pytest.raises(ValueError, match="does not match"):
-        route_topk(z, jnp.zeros(15), 2)
+        route_topk(z, jnp.zeros(17), 2)  # more experts than logit columns
     assert route_topk_supported(8, 1024, 16) and route_topk_supported(5, 896, 16)
     assert not route_topk_supported(9, 1024, 16) and 16 * 1024 > MAX_ROUTE_ELEMENTS
 
 
 @pytest.mark.parametrize("N,D,E,k", [(2, 32, 8, 2), (3, 16, 10, 2), (4, 16, 10, 3), (64, 32, 64, 4)])
 def test_decode_routers_agree(N, D, E, k):
-    """Both of 'pallas''s forms (XLA's logits and the kernel; XLA where the kernel does not take the
-    shape: k = 3) and 'xla' give the float64 selection."""
+    """Both of 'pallas''s forms (the kernel; XLA where the kernel does not take the shape: k = 3) and
+    'xla' give the float64 selection from the router's logits."""
     rng = np.random.default_rng(N + k)
     x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(D, E)), jnp.float32)
@@ -102,7 +116,7 @@ def test_decode_routers_agree(N, D, E, k):
     want_idx, want_w = _route64(np.asarray(x, np.float64) @ np.asarray(w, np.float64), bias, k, 1.5)
     for name in ("xla", "pallas"):
         with jax.default_matmul_precision("float32"):
-            idx, wts = DECODE_ROUTERS.get(name)(x, w, bias, k, 1.5)
+            idx, wts = DECODE_ROUTERS.get(name)(router_logits(x, w), bias, k, 1.5)
         np.testing.assert_array_equal(np.asarray(idx), want_idx)
         np.testing.assert_allclose(np.asarray(wts, np.float64), want_w, rtol=1e-5, atol=1e-6)
     assert DECODE_ROUTERS.resolve("auto", "cpu") == "xla" and DECODE_ROUTERS.resolve("auto", "gpu") == "pallas"
@@ -120,7 +134,7 @@ def test_moe_decode_call_routes_through_the_decode_router():
     x = jax.random.normal(jax.random.key(1), (2, 3, cfg.d_model))
     y_dec, _ = moe(x, decode=True)
     y_train, _ = moe(x)
-    assert calls == [(6, cfg.d_model)]
+    assert calls == [(6, cfg.moe.n_experts)]
     np.testing.assert_allclose(y_dec, y_train, rtol=2e-5, atol=2e-5)
 
 

@@ -52,7 +52,7 @@ from k3.moe import balancing
 from k3.backends import Table, platform
 from k3.moe.expert_parallel import combine_routes, routed_experts_sharded
 from k3.ffn import EXPERT_PRODUCTS, GLUMLP, glu_activation, glu_parts_output
-from k3.nn import RMSNorm, cast, normal, param, weight_einsum
+from k3.nn import FUSED_INPUTS, RMSNorm, cast, normal, param, weight_einsum
 from k3.sharding import Sharder
 
 
@@ -191,13 +191,13 @@ ANY_ROUTES_DECODE = {"grouped", "grouped_fused"}
 # A decoding call's routing, keyed by ``model.moe.decode_route_impl``:
 #   'xla'     `MoE.route`'s ops (the router GEMM, its partial sums with the sigmoid, a top-k sort, a slice
 #             and a gather: five launches per layer on a GPU);
-#   'pallas'  XLA's router GEMM, then `pallas_kernels.moe_route`'s one kernel for the rest (shapes it
+#   'pallas'  after the router GEMM, `pallas_kernels.moe_route`'s one kernel for the rest (shapes it
 #             does not take use 'xla').
-# An entry maps (x [N, D], router weight [D, E], bias [E], k, scaling) to (idx [N, k] int32, weights
-# [N, k] fp32), the selection of `MoE.route` without the balancing threshold. 'auto' is 'pallas' on a
-# GPU: its tests (tests/test_moe_route.py) pass compiled on an H100, and there (`experiments.bench_decode
-# --set=model.moe.decode_route_impl=...`, the model above with 'grouped' experts) the step took 1.35 /
-# 1.42 ms with 'pallas' / 'xla'.
+# An entry maps (the router's fp32 logits in the first E columns of [N, C >= E] (`MoE.project_inputs`),
+# bias [E], k, scaling) to (idx [N, k] int32, weights [N, k] fp32), the selection of `MoE.route`
+# without the balancing threshold. 'auto' is 'pallas' on a GPU: its tests (tests/test_moe_route.py)
+# pass compiled on an H100, and there (`experiments.bench_decode --set=model.moe.decode_route_impl=...`,
+# the model above with 'grouped' experts) the step took 1.35 / 1.42 ms with 'pallas' / 'xla'.
 DECODE_ROUTERS = Table("model.moe.decode_route_impl", default="xla", auto={"gpu": "pallas"})
 
 
@@ -213,22 +213,22 @@ def combine_weights(scores_NE: jax.Array, idx_Nk: jax.Array, scaling: float) -> 
 
 
 @DECODE_ROUTERS.register("xla")
-def xla_route(x_ND, w_router_DE, bias_E, k, scaling):
+def xla_route(logits_NC, bias_E, k, scaling):
     """`MoE.route`'s selection and combine weights."""
-    scores = jax.nn.sigmoid(router_logits(x_ND, w_router_DE))
+    scores = jax.nn.sigmoid(logits_NC[:, :bias_E.shape[0]])
     idx, _ = balancing.topk_route(scores, bias_E, k)
     return idx, combine_weights(scores, idx, scaling)
 
 
 @DECODE_ROUTERS.register("pallas")
-def pallas_route(x_ND, w_router_DE, bias_E, k, scaling):
-    """XLA's router logits and `pallas_kernels.moe_route.route_topk`; shapes it does not take use `xla_route`."""
+def pallas_route(logits_NC, bias_E, k, scaling):
+    """`pallas_kernels.moe_route.route_topk` on the logits (it reads the first E columns of a wider
+    array in place); shapes it does not take use `xla_route`."""
     from pallas_kernels.moe_route import route_topk, route_topk_supported
 
-    N, E = x_ND.shape[0], w_router_DE.shape[-1]
-    if route_topk_supported(N, E, k):
-        return route_topk(router_logits(x_ND, w_router_DE), bias_E, k, scaling)
-    return xla_route(x_ND, w_router_DE, bias_E, k, scaling)
+    if route_topk_supported(logits_NC.shape[0], bias_E.shape[0], k):
+        return route_topk(logits_NC, bias_E, k, scaling)
+    return xla_route(logits_NC, bias_E, k, scaling)
 
 
 @DECODE_EXPERTS.register("gather")
@@ -324,9 +324,10 @@ class MoE(nnx.Module):
                               dtype=self.dtype, rngs=rngs, beta_gate=cfg.situ_beta_gate,
                               beta_up=cfg.situ_beta_up) if e.shared_dim > 0 else None)
 
-    def route(self, x_ND: jax.Array):
-        """Router: (expert ids [N, k], combine weights [N, k] fp32, scores [N, E], alpha [N] or None)."""
-        scores = jax.nn.sigmoid(router_logits(x_ND, self.router[...]))
+    def route(self, x_ND: jax.Array, logits_NE: jax.Array | None = None):
+        """Router: (expert ids [N, k], combine weights [N, k] fp32, scores [N, E], alpha [N] or None),
+        from x [N, D], or from its fp32 logits [N, E] when they are given (`project_inputs`)."""
+        scores = jax.nn.sigmoid(router_logits(x_ND, self.router[...]) if logits_NE is None else logits_NE)
         bias = jax.lax.stop_gradient(self.router_bias[...])
         idx, alpha = balancing.topk_route(jax.lax.stop_gradient(scores), bias, self.top_k,
                                           extra=self.balancer.extra_routes)
@@ -339,10 +340,8 @@ class MoE(nnx.Module):
         backend runs the routed experts."""
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D).astype(self.dtype)
-        idx, weights, scores, alpha = self.route(x)
-        h = x
-        if self.w_down_latent is not None:
-            h = x @ cast(self.w_down_latent, self.dtype)
+        h, shared_hidden, logits = self.project_inputs(x)
+        idx, weights, scores, alpha = self.route(x, logits[:, :self.n_experts])
         w_gate, w_up, w_down = (cast(w, self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if self.sharder is not None:
             y, stats = self._routed_sharded(h, idx, weights, scores, alpha, (B, T), w_gate, w_up, w_down)
@@ -351,8 +350,8 @@ class MoE(nnx.Module):
             with jax.named_scope("routed_experts"):
                 if decode and self._decode_backend_takes(idx.shape[0], idx.size, w_gate.shape[1:]):
                     # The same selection as `route`'s (whose XLA ops then only feed the unused statistics).
-                    idx, weights = self.decode_route(x, self.router[...], jax.lax.stop_gradient(
-                        self.router_bias[...]), self.top_k, self.scaling)
+                    idx, weights = self.decode_route(logits, jax.lax.stop_gradient(self.router_bias[...]),
+                                                     self.top_k, self.scaling)
                     out_NkL = self.decode_experts(h, idx, w_gate, w_up, w_down, self.activation, self.betas)
                     dropped = jnp.zeros((), jnp.int32)
                 else:
@@ -361,15 +360,65 @@ class MoE(nnx.Module):
             stats["dropped"] = dropped.astype(jnp.float32)
             y = combine_routes(out_NkL, weights)
         y = y.astype(self.dtype)
+        if self.shared is not None and shared_hidden is None:
+            shared_hidden = self.shared.hidden(x)
         fused = getattr(self, FUSED_OUTPUTS, None)
         if fused is not None:  # served: [norm(y) | shared hidden] times one stacked matrix (`fuse_outputs`)
-            z = jnp.concatenate([self.latent_norm(y), self.shared.hidden(x).astype(self.dtype)], axis=-1)
+            z = jnp.concatenate([self.latent_norm(y), shared_hidden.astype(self.dtype)], axis=-1)
             return (z @ cast(fused, self.dtype)).reshape(B, T, D), stats
         if self.w_up_latent is not None:
             y = self.latent_norm(y) @ cast(self.w_up_latent, self.dtype)
         if self.shared is not None:
-            y = y + self.shared(x)
+            y = y + self.shared.down(shared_hidden)
         return y.reshape(B, T, D), stats
+
+    def project_inputs(self, x_ND: jax.Array):
+        """(the experts' input h [N, W] (x itself without a latent space), the shared experts' hidden
+        act(x W_gate, x W_up) [N, F_s] or None, fp32 [N, C >= E] whose first E columns are the router's
+        logits) of x [N, D] in the compute dtype. With `fuse_inputs`' matrix the three come from one
+        matmul, whose whole output is the third (the routing kernel reads its first columns in place);
+        None for the shared hidden then means the layer has no shared experts, else that the caller
+        forms it."""
+        fused = getattr(self, FUSED_INPUTS, None)
+        if fused is None:
+            h = x_ND if self.w_down_latent is None else x_ND @ cast(self.w_down_latent, self.dtype)
+            return h, None, router_logits(x_ND, self.router[...])
+        E = self.n_experts
+        if jnp.dtype(fused.dtype) == self.dtype or self.dtype == jnp.float32:
+            # Stored in the compute dtype, the router's products are the stored values' exact products
+            # in fp32 either way, so one matmul with fp32 outputs gives every column.
+            z = logits = jnp.dot(x_ND, cast(fused, self.dtype), preferred_element_type=jnp.float32)
+        else:  # stored wider (fp32 weights, bf16 compute): the router reads its columns unrounded
+            z = jnp.dot(x_ND, cast(fused, self.dtype), preferred_element_type=jnp.float32)
+            logits = router_logits(x_ND, fused[:, :E])
+        L, F = self.fused_widths
+        h = x_ND if L == 0 else z[:, E:E + L].astype(self.dtype)
+        if F == 0:
+            return h, None, logits
+        gate, up = z[:, E + L:E + L + F].astype(self.dtype), z[:, E + L + F:E + L + 2 * F].astype(self.dtype)
+        return h, glu_activation(gate, up, self.activation, *self.betas), logits
+
+    def fuse_inputs(self) -> None:
+        """For serving (`k3.model.served`): the matrices that read the layer's input, the router [D, E],
+        the latent down-projection [D, L] (if any) and the shared experts' gate and up [D, F_s] (if any),
+        stacked in that order into one [D, E + L + 2 F_s] parameter `FUSED_INPUTS`, in place, so the
+        router is not a matmul launch of its own at each decoding step (compiled for an H100, K3 d_model
+        1024 with 15 MoE layers: 322 -> 307 kernels a step at batch 8). Its logits stay fp32 from the
+        stored values (`project_inputs`). A layer with neither a latent space nor shared experts is left
+        as it is; inference only, as `fuse_outputs`."""
+        if getattr(self, FUSED_INPUTS, None) is not None or (self.w_down_latent is None and self.shared is None):
+            return
+        parts = [self.router[...]] + ([] if self.w_down_latent is None else [self.w_down_latent[...]])
+        if self.shared is not None:
+            parts += [self.shared.w_gate[...], self.shared.w_up[...]]
+        dtype = jnp.result_type(*parts)
+        setattr(self, FUSED_INPUTS, nnx.Param(jnp.concatenate([p.astype(dtype) for p in parts], axis=1),
+                                                     out_sharding=("embed", None)))
+        self.fused_widths = (0 if self.w_down_latent is None else self.w_down_latent.shape[1],
+                             0 if self.shared is None else self.shared.w_gate.shape[1])
+        self.w_down_latent = self.router = None
+        if self.shared is not None:
+            self.shared.w_gate = self.shared.w_up = None
 
     def fuse_outputs(self) -> None:
         """For serving (`k3.model.served`): the latent up-projection [L, D] and the shared experts'
