@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import compute_dtype, default_interpret, pow2_from_16, triton_params
 
-__all__ = ["depth_mix_pallas", "kernel_width_ok"]
+__all__ = ["depth_mix_pallas", "kernel_width_ok", "mix_tiles"]
 
 
 def kernel_width_ok(d_model: int) -> bool:
@@ -199,10 +199,23 @@ def _mix_bwd(eps, norm_eps, n, block, steps, interpret, warps, res, dout_ND):
 _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
+# Up to this many tokens a call's forward programs take one token each with 4 warps instead of the
+# training shape's 2 tokens with 1 warp (`mix_tiles`): with only N / 2 programs on the GPU (4 at a batch-8
+# decode step), one warp's serial walk over 2 x D x candidates is the launch's whole latency.
+FEW_TOKENS = 64
+
+
+def mix_tiles(n_tokens: int) -> tuple[int, int]:
+    """The forward's (tokens per program, warps per program) for a call of ``n_tokens`` tokens: (2, 1),
+    the fastest of 13 settings on the H200 at K3 1024:12's training shape
+    (`pallas_kernels/results/bench_attn_res_h200_*.json`), or (1, 4) up to `FEW_TOKENS` tokens."""
+    return (1, 4) if n_tokens <= FEW_TOKENS else (2, 1)
+
+
 def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.Array, extra_valid: jax.Array,
                      w_D: jax.Array, eps: float, *, n_valid: int | None = None, gamma_D: jax.Array | None = None,
-                     norm_eps: float | None = None, w_gain_D: jax.Array | None = None, block: int = 2,
-                     steps: int = 1, interpret: bool | None = None, num_warps: int = 1,
+                     norm_eps: float | None = None, w_gain_D: jax.Array | None = None, block: int = 0,
+                     steps: int = 1, interpret: bool | None = None, num_warps: int = 0,
                      bwd_warps: int | None = None) -> jax.Array:
     """`k3.attn_res.depth_mix` through the Pallas kernels: [B, T, D] in the candidates' dtype.
 
@@ -211,22 +224,20 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
     the product, in fp32 whatever the parameters' dtype). Differentiable in cands, extra, w, w_gain.
     ``n_valid``: a static count that says the candidates past the first n_valid are invalid (the
     bank's unfilled slots): the kernels neither read them nor write their (zero) gradients; None reads
-    all M. ``gamma_D`` and
-    ``norm_eps``: the RMSNorm that reads the mix, applied in the kernels (the result is
-    rms_norm(mix) * gamma, from the fp32 mix; differentiable in gamma too). ``block`` tokens per
-    program (a power of two) and ``num_warps``: 2 and 1 ran fastest of 13 settings on the H200 at
-    K3 1024:12's shape (`pallas_kernels/results/bench_attn_res_h200_*.json`); the backward's program
-    walks ``steps`` such blocks with ``bwd_warps`` (None: ``num_warps``, or 2 with the norm, whose
-    backward also holds the rebuilt mix: compiled for sm_90 at D = 1024 it spills 0.9-2.8 KB a thread
-    at 1 warp and 0-284 B at 2). ``interpret=None``: compiled on a GPU, interpreted elsewhere. D must
-    be a power of two >= 16.
+    all M. ``gamma_D`` and ``norm_eps``: the RMSNorm that reads the mix, applied in the kernels (the
+    result is rms_norm(mix) * gamma, from the fp32 mix; differentiable in gamma too). ``block`` tokens
+    per program (a power of two) and ``num_warps``; 0: `mix_tiles` of the call's token count. The
+    backward's program walks ``steps`` such blocks with ``bwd_warps`` (None: ``num_warps``, or 2 with
+    the norm, whose backward also holds the rebuilt mix: compiled for sm_90 at D = 1024 it spills
+    0.9-2.8 KB a thread at 1 warp and 0-284 B at 2). ``interpret=None``: compiled on a GPU,
+    interpreted elsewhere. D must be a power of two >= 16.
     """
     M, B, T, D = cands_MBTD.shape
     if extra_BTD.shape != (B, T, D) or valid_M.shape != (M,):
         raise ValueError(f"depth_mix_pallas: candidates {cands_MBTD.shape} need extra [B, T, D] = {(B, T, D)} "
                          f"and valid [M] = {(M,)}; got {extra_BTD.shape} and {valid_M.shape}")
     for name, v in (("block", block), ("steps", steps)):
-        if v < 1 or v & (v - 1):
+        if v < 0 or v & (v - 1) or (name == "steps" and v == 0):
             raise ValueError(f"depth_mix_pallas: {name} must be a power of two; got {v}")
     if not kernel_width_ok(D):
         raise ValueError(f"depth_mix_pallas: the width D must be a power of two >= 16; got {D}")
@@ -235,6 +246,8 @@ def depth_mix_pallas(cands_MBTD: jax.Array, valid_M: jax.Array, extra_BTD: jax.A
         raise ValueError(f"depth_mix_pallas: n_valid must be in [0, M = {M}]; got {n_valid}")
     interpret = default_interpret() if interpret is None else bool(interpret)
     N = B * T
+    auto_block, auto_warps = mix_tiles(N)
+    block, num_warps = block or auto_block, num_warps or auto_warps
     # Programs of fewer tokens where N is not a multiple of block * steps (a decode step of one token, an
     # odd-length prompt): padding instead copies the whole bank in and the mix out, XLA kernels of their own.
     while block > 1 and N % block:

@@ -210,3 +210,18 @@ def test_sharded_mix_equals_one_device(impl, with_norm):
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):  # query, key-norm gain, cands, extra, gain
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_few_token_calls_take_one_token_programs_and_agree():
+    """`mix_tiles`: one token and 4 warps a program up to `FEW_TOKENS` tokens (a decode step), the
+    training tiles above; a few-token call with the default tiles equals the reference, as with the
+    training tiles given explicitly."""
+    from pallas_kernels.attn_res import FEW_TOKENS, mix_tiles
+
+    assert mix_tiles(1) == mix_tiles(FEW_TOKENS) == (1, 4) and mix_tiles(FEW_TOKENS + 1) == (2, 1)
+    cands, extra, w = _inputs(11, 4, 3, 1, 32, jnp.float32)
+    valid, ev = jnp.array([True, True, False, True]), jnp.asarray(True)
+    want = attn_res.depth_mix(cands, valid, extra, ev, w, 1e-5)
+    for tiles in ({}, {"block": 2, "num_warps": 1}):
+        got = depth_mix_pallas(cands, valid, extra, ev, w, 1e-5, interpret=True, **tiles)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
