@@ -62,7 +62,7 @@ Each command then prepares the data again: its first run starts 1.5-2 minutes in
    the rule's distance from each arm's optimum): their sweep, x0.5 / x2 / x4 / x8 at their three sizes
    (36 runs as 9 four-rate populations)::
 
-       python -m experiments.run_ladder --ladder=experiments/configs/ladder_1e16.py --out=OUT \
+       python -m experiments.run_ladder --ladder=experiments/configs/ladder_1e16.py --out=OUT \\
            --arms=k2+kda_hybrid,k2+attn_res,k2+latent_moe_qb --jobs=sweep --set=data.extra_roots=... --deadline_s=540
 
    then their fitted rules added to ``c.lr_rules`` (each arm's own-rule runs are named by its own
