@@ -413,7 +413,7 @@ class MoE(nnx.Module):
             parts += [self.shared.w_gate[...], self.shared.w_up[...]]
         dtype = jnp.result_type(*parts)
         setattr(self, FUSED_INPUTS, nnx.Param(jnp.concatenate([p.astype(dtype) for p in parts], axis=1),
-                                                     out_sharding=("embed", None)))
+                                              out_sharding=("embed", None)))
         self.fused_widths = (0 if self.w_down_latent is None else self.w_down_latent.shape[1],
                              0 if self.shared is None else self.shared.w_gate.shape[1])
         self.w_down_latent = self.router = None
