@@ -80,6 +80,7 @@ def test_layer_loop_auto_unrolls_on_a_gpu_and_scans_elsewhere():
         plan_layers(cfg)
 
 
+@pytest.mark.slow
 def test_scanned_and_unrolled_models_agree():
     """Same weights, both layer loops, rematerialised as a GPU run is: same logits and same gradient."""
     cfg = tiny_model_cfg(n_layers=12, attn_res_block_size=3, first_k_dense=1, remat=True,
@@ -230,6 +231,7 @@ def _live_kernel_calls(jaxpr) -> collections.Counter:
     return counts
 
 
+@pytest.mark.slow
 def test_kernel_residual_policies_run_each_forward_kernel_once():
     """Under 'dots' a rematerialised layer runs the Pallas KDA and flash-attention forward kernels
     twice (forward, and again in the backward pass); 'dots_kernels' keeps what their custom_vjps
