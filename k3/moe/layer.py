@@ -387,15 +387,16 @@ class MoE(nnx.Module):
         if jnp.dtype(fused.dtype) == self.dtype or self.dtype == jnp.float32:
             # Stored in the compute dtype, the router's products are the stored values' exact products
             # in fp32 either way, so one matmul with fp32 outputs gives every column.
-            z = logits = jnp.dot(x_ND, cast(fused, self.dtype), preferred_element_type=jnp.float32)
+            logits = jnp.dot(x_ND, cast(fused, self.dtype), preferred_element_type=jnp.float32)
+            z = logits[:, E:]
         else:  # stored wider (fp32 weights, bf16 compute): the router reads its columns unrounded
-            z = jnp.dot(x_ND, cast(fused, self.dtype), preferred_element_type=jnp.float32)
             logits = router_logits(x_ND, fused[:, :E])
-        L, F = self.fused_widths
-        h = x_ND if L == 0 else z[:, E:E + L].astype(self.dtype)
+            z = jnp.dot(x_ND, cast(fused[:, E:], self.dtype), preferred_element_type=jnp.float32)
+        L, F = self.fused_widths  # z: [latent | shared gate | shared up]
+        h = x_ND if L == 0 else z[:, :L].astype(self.dtype)
         if F == 0:
             return h, None, logits
-        gate, up = z[:, E + L:E + L + F].astype(self.dtype), z[:, E + L + F:E + L + 2 * F].astype(self.dtype)
+        gate, up = z[:, L:L + F].astype(self.dtype), z[:, L + F:L + 2 * F].astype(self.dtype)
         return h, glu_activation(gate, up, self.activation, *self.betas), logits
 
     def fuse_inputs(self) -> None:
