@@ -464,14 +464,14 @@ class LosoResult:
 @_single_blas_thread
 def leave_one_size_out(C_base, L_base, sizes_base, C_new, L_new, sizes_new, C_eval=None,
                        with_E: bool = False, n_starts: int | None = 4) -> LosoResult:
-    """Leave-one-size-out sensitivity of M at ``C_eval`` (default: the largest C of both arms).
+    """Leave-one-size-out sensitivity of M at ``C_eval`` (default: `common_reach` of the two arms).
 
     C_*: (n_*,) FLOPs, L_*: (n_*,) nats, sizes_*: (n_*,) size labels; a size present in both arms is
     dropped from both. Each dropped size gives one refit of both arms and one M.
     """
     C_base, L_base, C_new, L_new = (np.asarray(v, np.float64) for v in (C_base, L_base, C_new, L_new))
     sizes_base, sizes_new = list(sizes_base), list(sizes_new)
-    C_eval = float(max(C_base.max(), C_new.max()) if C_eval is None else C_eval)
+    C_eval = common_reach(C_base, C_new) if C_eval is None else float(C_eval)
     need = 3 if with_E else 2
     by_size = {}
     for size in dict.fromkeys(sizes_base + sizes_new):
@@ -871,10 +871,16 @@ def resolve_sigma(records: Sequence[dict], sigma: float = 0.0, default_sigma: fl
 # Report
 
 
+def common_reach(C_base, C_new) -> float:
+    """C_max of a comparison: the largest compute both arms were measured at (the smaller of their
+    largest C), so that neither arm's law is read beyond its own points there."""
+    return float(min(np.max(C_base), np.max(C_new)))
+
+
 def _compare(a_b: ArmPoints, a_n: ArmPoints, baseline: str, sigma: float, n_boot: int, n_boot_E: int,
              seed: int) -> dict:
     """Every multiplier estimate of arm ``a_n`` over ``a_b``, JSON-ready."""
-    C_max = float(max(a_b.C.max(), a_n.C.max()))
+    C_max = common_reach(a_b.C, a_n.C)
     C_eval = np.append(a_n.C, C_max)
     # Which learning-rate rule each side's points ran at: a comparison across rules is flagged.
     out = {"lr_rules": {"arm": a_n.lr_rule, "baseline": a_b.lr_rule}}

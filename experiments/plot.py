@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import FormatStrFormatter, NullFormatter  # noqa: E402
 
 from experiments.fit import (CONVENTIONS, FitError, arm_points, baseline_at_rule, bootstrap_multiplier,  # noqa: E402
-                             fit_power_law, has_finite_loss, is_default_lr, is_seed0, load_points,
+                             common_reach, fit_power_law, has_finite_loss, is_default_lr, is_seed0, load_points,
                              resolve_sigma, select_arms, size_label, usable_arms)
 
 _DPI = 130
@@ -90,8 +90,8 @@ def plot_multiplier(arms: dict, baseline: str, convention: str, sigma: float, n_
         if name == baseline:
             continue
         b = baseline_at_rule(arms[baseline], baseline_shared, a.lr_rule)
-        # the reach of the two fits compared, as `experiments.fit`'s C_max
-        grid = np.geomspace(min(a.C.min(), b.C.min()), max(a.C.max(), b.C.max()), 80)
+        # up to the compute both arms reach, `experiments.fit.common_reach` (its C_max)
+        grid = np.geomspace(min(a.C.min(), b.C.min()), common_reach(b.C, a.C), 80)
         boot = bootstrap_multiplier(b.C, b.L, a.C, a.L, sigma, C_eval=np.append(grid, a.C), n_boot=n_boot, seed=seed)
         g = len(grid)
         col = colors[name]
