@@ -5,11 +5,12 @@ XLA's gathered experts (`k3.moe.layer.gathered_experts`), side by side, as fract
 
 Shape NxKxExDxF: N tokens, top-K routes each (distinct experts per token, drawn at random), E experts
 of width D and hidden F (K3's served d_model 1024 model: 64 experts, top 4, latent 512, hidden 1024).
-Variants: block_in:block_out:warps:stages[:d|:g[N]|:f[N]] (`routed_glu`'s tile rows, tile columns, Triton
-warps and pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g: `grouped_glu`,
-the routes grouped by expert, with these tiles; gN: with N columns per down-projection program; f[N]:
-`grouped_glu_fused`, the same in one kernel, N down-projection columns per step). bf16 weights and
-inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back
+Variants: block_in:block_out:warps:stages[:d|:g[N][s]|:f[N][s]] (`routed_glu`'s tile rows, tile columns,
+Triton warps and pipeline stages; d: its row sums deferred to the end of the loop, ``defer_sum``; g:
+`grouped_glu`, the routes grouped by expert, with these tiles; gN: with N columns per down-projection
+program; f[N]: `grouped_glu_fused`, the same in one kernel, N down-projection columns per step; a
+trailing s: the grid over slots of the distinct routed experts instead of all E, ``slots=True``). bf16
+weights and inputs, SiTU-GLU. Each row is the seconds per call with --iters calls dispatched back to back
 (`pallas_kernels.common.pipelined_seconds`), the bytes a call must move at least (each distinct routed
 expert's three matrices once, plus x and y), that over the time as a fraction of the device's HBM
 bandwidth, and the gather path's time over this one. Before timing each output is checked against the
@@ -63,15 +64,17 @@ def bench(shape, variants, iters, kernel_time: bool = False):
         parts = v.split(":")
         flag = parts[4] if len(parts) == 5 else ""
         try:
-            if len(parts) not in (4, 5) or not (flag in ("", "d", "g", "f")
-                                                 or (flag[:1] in "gf" and flag[1:].isdigit())):
+            slots = flag[:1] in "gf" and flag.endswith("s")
+            digits = flag[1:-1] if slots else flag[1:]
+            if len(parts) not in (4, 5) or not (flag in ("", "d")
+                                                 or (flag[:1] in "gf" and (digits == "" or digits.isdigit()))):
                 raise ValueError
             b_in, b_out, warps, stages = (int(p) for p in parts[:4])
         except ValueError:
-            raise SystemExit("--variants entries are block_in:block_out:warps:stages[:d|:g[N]|:f[N]]; "
+            raise SystemExit("--variants entries are block_in:block_out:warps:stages[:d|:g[N][s]|:f[N][s]]; "
                              f"got {v!r}") from None
         tiles = dict(block_in=b_in, block_out=b_out, num_warps=warps, num_stages=stages)
-        down = dict(block_out_down=int(flag[1:])) if flag[1:].isdigit() else {}
+        down = dict(block_out_down=int(digits), slots=slots) if digits else dict(slots=slots)
 
         def run(x, i, a, b, c, tiles=tiles, defer=flag == "d"):
             y = routed_glu(jnp.repeat(x, K, axis=0), i.reshape(-1), a, b, c, act=act, defer_sum=defer, **tiles)
@@ -109,7 +112,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="64:128:4:3,128:128:8:3,64:64:4:3,128:128:8:3:g,128:128:8:3:g64,"
                     "128:128:8:3:g32,64:128:8:3:g,128:64:4:3:g,128:64:4:3:g32,64:256:8:3:g,128:128:4:2:g,"
                     "32:128:4:4:g",
-                    help="block_in:block_out:warps:stages[:d|:g[N]|:f[N]], comma-separated")
+                    help="block_in:block_out:warps:stages[:d|:g[N][s]|:f[N][s]], comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--kernel_time", action="store_true",
                     help="also each call's device kernel time from a profiler trace (without host dispatch)")

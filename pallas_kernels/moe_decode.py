@@ -30,6 +30,10 @@ block) over every token at once: a [M, block_in] x [block_in, block_out] tensor-
 (M = the tokens padded to a power of two >= 16), so a program's work is loads, not cross-thread row
 sums; an expert no route uses loads nothing. The extra rows cost tensor-core time only, which a
 decode step has to spare; there is no sort and nothing drops.
+Optionally (``slots=True``) the grid runs over slots instead of experts: slot s takes the s-th
+distinct expert of the route list, which each program finds from the list itself ([R, R] comparisons
+in registers) and reads from the whole weight arrays, so only min(routes, E) units are launched rather
+than one per expert, most of which would load the route list only to return.
 The down-projection's programs store their routes' rows in route order (a one-hot [routes, M] tile
 product picks each route's token row), so the output is [N, k, D] without a gather kernel after it.
 `grouped_glu_fused` does both projections in one kernel: program (expert, column block of h) forms its
@@ -150,35 +154,78 @@ def _routes_here(idx_ref):
     return mine, jnp.sum(mine.astype(jnp.int32)) > 0
 
 
-def _gate_up_block(x_ref, wg_ref, wu_ref, *, block_d, D, exact):
-    """(x W_gate, x W_up) [M, block_f] fp32 of a program's weight column block, walking D in block_d steps."""
+SLOT_MAX_ROUTES = 64  # the most (padded) routes whose [R, R] slot search a program does in registers
+
+
+def _slot_expert(idx_ref):
+    """(the expert of this program's slot, program_id(1), as an int32 scalar, its routes [R] bool, whether
+    the slot has an expert). Slot s holds the s-th distinct expert of the route list (idx: [R] expert
+    ids, -1 padding) in order of first appearance, found by [R, R] comparisons (R <= SLOT_MAX_ROUTES)."""
+    idx = idx_ref[...]
+    R = idx.shape[0]
+    earlier = lax.broadcasted_iota(jnp.int32, (R, R), 1) < lax.broadcasted_iota(jnp.int32, (R, R), 0)
+    seen = jnp.max(jnp.where(earlier & (idx[None, :] == idx[:, None]), 1, 0), axis=1)
+    first = jnp.where((idx >= 0) & (seen == 0), 1, 0)  # [R]: route r brings a new expert
+    rank = jnp.sum(jnp.where(earlier, first[None, :], 0), axis=1)  # new experts before route r
+    hit = (first == 1) & (rank == pl.program_id(1))
+    e = jnp.sum(jnp.where(hit, idx, 0))
+    return e, idx == e, jnp.sum(jnp.where(hit, 1, 0)) > 0
+
+
+def _program_expert(slots, idx_ref):
+    """(expert, its routes [R] bool, whether it has any, this program's column block) of a grouped
+    kernel's program: grid (E, blocks) by expert, or with ``slots`` (blocks, S) by `_slot_expert`."""
+    if slots:
+        e, mine, used = _slot_expert(idx_ref)
+        return e, mine, used, pl.program_id(0)
+    mine, used = _routes_here(idx_ref)
+    return pl.program_id(0), mine, used, pl.program_id(1)
+
+
+def _expert_tiles(slots, e, j, block, *refs):
+    """Tile loaders rows -> [rows, block] of each weight ref: with ``slots`` the refs are whole [E, K, C]
+    arrays read at expert e, column block j; else they are the program's own [K, block] blocks."""
+    if slots:
+        return [lambda rows, r=r: r[e, rows, pl.ds(j * block, block)] for r in refs]
+    return [lambda rows, r=r: r[rows, :] for r in refs]
+
+
+def _gate_up_block(x_ref, wg, wu, *, block_d, block_f, D, exact):
+    """(x W_gate, x W_up) [M, block_f] fp32 of a program's weight column block, walking D in block_d steps;
+    wg / wu: rows (a pl.ds) -> the [block_d, block_f] tile of W_gate / W_up."""
     def step(i, acc):
         rows = pl.ds(i * block_d, block_d)
         x = x_ref[:, rows]
-        return (acc[0] + tile_dot(x, wg_ref[rows, :], ((1,), (0,)), exact),
-                acc[1] + tile_dot(x, wu_ref[rows, :], ((1,), (0,)), exact))
+        return (acc[0] + tile_dot(x, wg(rows), ((1,), (0,)), exact),
+                acc[1] + tile_dot(x, wu(rows), ((1,), (0,)), exact))
 
-    zero = jnp.zeros((x_ref.shape[0], wg_ref.shape[1]), jnp.float32)
+    zero = jnp.zeros((x_ref.shape[0], block_f), jnp.float32)
     return lax.fori_loop(0, D // block_d, step, (zero, zero))
 
 
-def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact):
-    @pl.when(_routes_here(idx_ref)[1])
-    def _():
-        g, u = _gate_up_block(x_ref, wg_ref, wu_ref, block_d=block_d, D=D, exact=exact)
-        h_ref[...] = act(g, u).astype(h_ref.dtype)
-
-
-def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact):
-    M = h_ref.shape[0]
-    R, bd = y_ref.shape
-    mine, used = _routes_here(idx_ref)
+def _grouped_gate_up_kernel(idx_ref, x_ref, wg_ref, wu_ref, h_ref, *, act, block_d, D, exact, slots):
+    e, _, used, j = _program_expert(slots, idx_ref)
 
     @pl.when(used)
     def _():
+        bf = h_ref.shape[-1]
+        wg, wu = _expert_tiles(slots, e, j, bf, wg_ref, wu_ref)
+        g, u = _gate_up_block(x_ref, wg, wu, block_d=block_d, block_f=bf, D=D, exact=exact)
+        h_ref[...] = act(g, u).astype(h_ref.dtype)
+
+
+def _grouped_down_kernel(idx_ref, h_ref, wd_ref, y_ref, *, block_f, F, k, exact, slots):
+    M = h_ref.shape[0]
+    R, bd = y_ref.shape
+    e, mine, used, j = _program_expert(slots, idx_ref)
+
+    @pl.when(used)
+    def _():
+        (wd,) = _expert_tiles(slots, e, j, bd, wd_ref)
+
         def step(i, acc):
             rows = pl.ds(i * block_f, block_f)
-            return acc + tile_dot(h_ref[:, rows], wd_ref[rows, :], ((1,), (0,)), exact)
+            return acc + tile_dot(h_ref[:, rows], wd(rows), ((1,), (0,)), exact)
 
         y = lax.fori_loop(0, F // block_f, step, jnp.zeros((M, bd), jnp.float32)).astype(y_ref.dtype)
         # Route r = n k + j takes token n's row: a one-hot [R, M] product moves the rows into route
@@ -211,9 +258,33 @@ def _grouped_operands(name, x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD):
     return N, D, E, F, k, x_MD, idx_R, jnp.dtype(x_ND.dtype) == jnp.float32
 
 
+def check_slots(slots: bool, padded_routes: int) -> bool:
+    """``slots``, after checking that the slot grid (`_slot_expert`) can take ``padded_routes`` routes
+    (at most SLOT_MAX_ROUTES); ValueError naming the bound otherwise."""
+    if slots and padded_routes > SLOT_MAX_ROUTES:
+        raise ValueError(f"expert slots take at most {SLOT_MAX_ROUTES} routes, not {padded_routes}")
+    return bool(slots)
+
+
+def _grouped_grid(slots: bool, units: int):
+    """(blocks -> grid, by_unit) of a grouped kernel over ``units`` experts or slots and a count of column
+    blocks: by expert, grid (E, blocks); by slot, (blocks, S), so that a slot's programs run together and
+    the slots past the distinct experts, which return at once, come last. by_unit turns an index map
+    (unit, block) -> block indices into the grid's argument order."""
+    if slots:
+        return (lambda blocks: (blocks, units)), (lambda f: (lambda j, u: f(u, j)))
+    return (lambda blocks: (units, blocks)), (lambda f: f)
+
+
+def _weight_spec(slots: bool, shape, block, index_map):
+    """A weight operand's BlockSpec: its expert's block, or with ``slots`` the whole [E, ...] array, which
+    the program indexes at its slot's expert (the Triton backend has no data-dependent index maps)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape)) if slots else pl.BlockSpec(block, index_map)
+
+
 def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
                 block_out: int = 0, block_out_down: int = 0, num_warps: int = 8, num_stages: int = 3,
-                interpret: bool | None = None):
+                slots: bool = False, interpret: bool | None = None):
     """y [N, k, D] (x's dtype): token n's gated FFN through expert idx[n, j], each routed expert's weights
     read once for all its routes (see the module docstring).
 
@@ -227,7 +298,14 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     block_out_down: the down-projection's columns per program (0: block_out). Its grid has D / block_out
     programs per used expert against F / block_out for gate/up, so with D < F fewer columns per program
     keep as many programs streaming weights (at 8 tokens, top-4 of 64 experts, D 512, F 1024: about 84
-    working programs at 128 columns for an H100's 132 SMs, 168 at 64)."""
+    working programs at 128 columns for an H100's 132 SMs, 168 at 64); slots: the grid over slots of the
+    distinct routed experts, min(N k, E) of them, instead of all E experts (up to SLOT_MAX_ROUTES padded
+    routes): at 8 tokens, top-4 of 64, the gate/up kernel's 512 programs, 2 in 3 of which find no route
+    and return, become 256, the ones past the distinct experts last. Off by default: on an H100 it
+    gained nothing at the default tiles (`bench_moe_decode --kernel_time`, 21 distinct experts: 32.8 us
+    against 31.9, and 1.277 against 1.274 ms for the K3 decode step at batch 8), while with 64 columns
+    it is the fastest two-kernel form measured (30.4 us against 34.1 by expert).
+    """
     N, D, E, F, k, x_MD, idx_R, exact = _grouped_operands("grouped_glu", x_ND, idx_Nk, w_gate_EDF, w_up_EDF,
                                                           w_down_EFD)
     M, routes = x_MD.shape[0], idx_R.shape[0]
@@ -236,25 +314,28 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
     block_out = block_out or (128 if M <= 64 else 64)
     bf, bd_in = min(block_out, F), min(block_in, D)
     bd, bf_in = min(block_out_down or block_out, D), min(block_in, F)
-    routes_spec = pl.BlockSpec((routes,), lambda e, j: (0,))
+    slots = check_slots(slots, routes)
+    units = min(N * k, E) if slots else E
+    grid, by_unit = _grouped_grid(slots, units)
+    routes_spec = pl.BlockSpec((routes,), by_unit(lambda u, j: (0,)))
     h = pl.pallas_call(
-        functools.partial(_grouped_gate_up_kernel, act=act, block_d=bd_in, D=D, exact=exact),
-        grid=(E, F // bf),
-        in_specs=[routes_spec, pl.BlockSpec((M, D), lambda e, j: (0, 0)),
-                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
-                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j))],
-        out_specs=pl.BlockSpec((None, M, bf), lambda e, j: (e, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((E, M, F), x_ND.dtype), interpret=interpret,
+        functools.partial(_grouped_gate_up_kernel, act=act, block_d=bd_in, D=D, exact=exact, slots=slots),
+        grid=grid(F // bf),
+        in_specs=[routes_spec, pl.BlockSpec((M, D), by_unit(lambda u, j: (0, 0))),
+                  _weight_spec(slots, (E, D, F), (None, D, bf), by_unit(lambda u, j: (u, 0, j))),
+                  _weight_spec(slots, (E, D, F), (None, D, bf), by_unit(lambda u, j: (u, 0, j)))],
+        out_specs=pl.BlockSpec((None, M, bf), by_unit(lambda u, j: (u, 0, j))),
+        out_shape=jax.ShapeDtypeStruct((units, M, F), x_ND.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_gate_up",
     )(idx_R, x_MD, w_gate_EDF, w_up_EDF)
     # Every expert's programs write their routes' rows of one [routes, D] output, in route order, so the
     # caller reads [N, k, D] without a gather (rows past N k, the padding, are never written).
     y = pl.pallas_call(
-        functools.partial(_grouped_down_kernel, block_f=bf_in, F=F, k=k, exact=exact),
-        grid=(E, D // bd),
-        in_specs=[routes_spec, pl.BlockSpec((None, M, F), lambda e, j: (e, 0, 0)),
-                  pl.BlockSpec((None, F, bd), lambda e, j: (e, 0, j))],
-        out_specs=pl.BlockSpec((routes, bd), lambda e, j: (0, j)),
+        functools.partial(_grouped_down_kernel, block_f=bf_in, F=F, k=k, exact=exact, slots=slots),
+        grid=grid(D // bd),
+        in_specs=[routes_spec, pl.BlockSpec((None, M, F), by_unit(lambda u, j: (u, 0, 0))),
+                  _weight_spec(slots, (E, F, D), (None, F, bd), by_unit(lambda u, j: (u, 0, j)))],
+        out_specs=pl.BlockSpec((routes, bd), by_unit(lambda u, j: (0, j))),
         out_shape=jax.ShapeDtypeStruct((routes, D), x_ND.dtype), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_down",
     )(idx_R, h, w_down_EFD)
@@ -264,30 +345,33 @@ def grouped_glu(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in
 FUSED_MAX_TOKENS = 64  # the most tokens `grouped_glu_fused`'s default tiles take without spilling (sm_90)
 
 
-def _grouped_fused_kernel(idx_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, act, block_d, block_o, D, k, exact):
+def _grouped_fused_kernel(idx_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, act, block_d, block_f, block_o, D, k,
+                          exact, slots):
     M, R = x_ref.shape[0], y_ref.shape[0]
-    mine, used = _routes_here(idx_ref)
+    e, mine, used, j = _program_expert(slots, idx_ref)
 
     @pl.when(used)
     def _():
-        g, u = _gate_up_block(x_ref, wg_ref, wu_ref, block_d=block_d, D=D, exact=exact)
+        wg, wu = _expert_tiles(slots, e, j, block_f, wg_ref, wu_ref)
+        g, u = _gate_up_block(x_ref, wg, wu, block_d=block_d, block_f=block_f, D=D, exact=exact)
         h = act(g, u).astype(x_ref.dtype)  # rounded as the two-kernel form stores it
         token = lax.broadcasted_iota(jnp.int32, (R, M), 0) // k
         pick = (token == lax.broadcasted_iota(jnp.int32, (R, M), 1)).astype(h.dtype)
         # The one-hot product first: [R, bf] routes' rows of h, so each down tile lands in route order.
         h_R = tile_dot(pick, h, ((1,), (0,)), exact).astype(h.dtype)
         mask = jnp.broadcast_to(mine[:, None], (R, block_o))
+        h_rows = pl.ds(j * block_f, block_f)
 
         @pl.loop(0, D // block_o)
         def _(c):
             cols = pl.ds(c * block_o, block_o)
-            part = tile_dot(h_R, wd_ref[:, cols], ((1,), (0,)), exact)
-            pltriton.store(y_ref.at[:, cols], part, mask=mask)
+            w = wd_ref[e, h_rows, cols] if slots else wd_ref[:, cols]
+            pltriton.store(y_ref.at[:, cols], tile_dot(h_R, w, ((1,), (0,)), exact), mask=mask)
 
 
 def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, block_in: int = 0,
                       block_out: int = 64, block_out_down: int = 0, num_warps: int = 0, num_stages: int = 3,
-                      interpret: bool | None = None):
+                      slots: bool = False, interpret: bool | None = None):
     """`grouped_glu` as one kernel: y [N, k, D] (x's dtype), each routed expert's three matrices read once.
 
     Program (e, j) forms h's column block j for expert e's routes (the gate/up walk over D, as
@@ -302,7 +386,7 @@ def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, bl
     time against 29.0 at 128 columns, 8 warps). Each program's [routes, block_out_down] product grows
     with the tokens: compiled for sm_90 (`compile_report`), these defaults do not spill up to 64
     tokens, while at 128 every tiling tried spills, so callers take `grouped_glu` above
-    `FUSED_MAX_TOKENS`."""
+    `FUSED_MAX_TOKENS`. slots: as `grouped_glu`'s."""
     N, D, E, F, k, x_MD, idx_R, exact = _grouped_operands("grouped_glu_fused", x_ND, idx_Nk, w_gate_EDF,
                                                           w_up_EDF, w_down_EFD)
     M, routes = x_MD.shape[0], idx_R.shape[0]
@@ -311,14 +395,18 @@ def grouped_glu_fused(x_ND, idx_Nk, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, bl
     num_warps = num_warps or (4 if M <= 16 else 8)
     block_out_down = block_out_down or (128 if M <= 16 else 64 if M <= 32 else 32)
     bf, bd_in, bo = min(block_out or 64, F), min(block_in, D), min(block_out_down, D)
+    slots = check_slots(slots, routes)
+    grid, by_unit = _grouped_grid(slots, min(N * k, E) if slots else E)
     parts = pl.pallas_call(
-        functools.partial(_grouped_fused_kernel, act=act, block_d=bd_in, block_o=bo, D=D, k=k, exact=exact),
-        grid=(E, F // bf),
-        in_specs=[pl.BlockSpec((routes,), lambda e, j: (0,)), pl.BlockSpec((M, D), lambda e, j: (0, 0)),
-                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
-                  pl.BlockSpec((None, D, bf), lambda e, j: (e, 0, j)),
-                  pl.BlockSpec((None, bf, D), lambda e, j: (e, j, 0))],
-        out_specs=pl.BlockSpec((None, routes, D), lambda e, j: (j, 0, 0)),
+        functools.partial(_grouped_fused_kernel, act=act, block_d=bd_in, block_f=bf, block_o=bo, D=D, k=k,
+                          exact=exact, slots=slots),
+        grid=grid(F // bf),
+        in_specs=[pl.BlockSpec((routes,), by_unit(lambda u, j: (0,))),
+                  pl.BlockSpec((M, D), by_unit(lambda u, j: (0, 0))),
+                  _weight_spec(slots, (E, D, F), (None, D, bf), by_unit(lambda u, j: (u, 0, j))),
+                  _weight_spec(slots, (E, D, F), (None, D, bf), by_unit(lambda u, j: (u, 0, j))),
+                  _weight_spec(slots, (E, F, D), (None, bf, D), by_unit(lambda u, j: (u, j, 0)))],
+        out_specs=pl.BlockSpec((None, routes, D), by_unit(lambda u, j: (j, 0, 0))),
         out_shape=jax.ShapeDtypeStruct((F // bf, routes, D), jnp.float32), interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages), name="moe_decode_grouped_fused",
     )(idx_R, x_MD, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -15,7 +15,9 @@ from k3.ffn import glu_parts_output
 from k3.moe.layer import (ANY_ROUTES_DECODE, DECODE_EXPERTS, DROPLESS_DECODE_TOKENS, MoE, dense_experts,
                           gathered_experts, grouped_fused_routed_experts, grouped_routed_experts,
                           pallas_routed_experts)
-from pallas_kernels.moe_decode import grouped_glu, grouped_glu_fused, routed_glu, routed_glu_supported
+from pallas_kernels.common import pow2_at_least_16
+from pallas_kernels.moe_decode import (SLOT_MAX_ROUTES, check_slots, grouped_glu, grouped_glu_fused, routed_glu,
+                                       routed_glu_supported)
 
 BETAS = (4.0, 25.0)
 
@@ -75,7 +77,8 @@ def _distinct_routes(rng, N, k, E, skew):
 ])
 @pytest.mark.parametrize("kind", ["situ", "swiglu"])
 @pytest.mark.parametrize("glu", [grouped_glu, grouped_glu_fused], ids=["two_kernels", "one_kernel"])
-def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, down, skew, kind, glu, x64):
+@pytest.mark.parametrize("slots", [False, True], ids=["by_expert", "by_slot"])
+def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, down, skew, kind, glu, slots, x64):
     rng = np.random.default_rng(N * 100 + E)
     x = rng.normal(size=(N, D))
     idx = _distinct_routes(rng, N, k, E, skew)
@@ -83,14 +86,46 @@ def test_grouped_glu_kernel_against_float64(N, k, E, D, F, block_in, block_out, 
     act = functools.partial(glu_parts_output, kind=kind, beta_gate=BETAS[0], beta_up=BETAS[1])
     want = _loop64(np.repeat(x, k, axis=0), idx.reshape(-1), wg, wu, wd, kind).reshape(N, k, D)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    if slots and pow2_at_least_16(N * k) > SLOT_MAX_ROUTES:  # past the slot grid's bound: refused
+        with pytest.raises(ValueError, match="at most"):
+            glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, slots=True)
+        return
     got = glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, block_in=block_in,
-              block_out=block_out, block_out_down=down)
+              block_out=block_out, block_out_down=down, slots=slots)
     assert got.shape == (N, k, D) and got.dtype == jnp.float32
     assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    got16 = glu(bf(x), jnp.asarray(idx), bf(wg), bf(wu), bf(wd), act=act)
+    got16 = glu(bf(x), jnp.asarray(idx), bf(wg), bf(wu), bf(wd), act=act, slots=slots)
     assert got16.dtype == jnp.bfloat16
     assert np.abs(np.asarray(got16, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("glu", [grouped_glu, grouped_glu_fused], ids=["two_kernels", "one_kernel"])
+def test_slot_grid_with_repeated_and_few_experts_against_float64(glu, x64):
+    """Slots hold the distinct experts in order of first appearance: tokens that share experts in
+    other orders, fewer distinct experts than slots, and many experts none of the routes use."""
+    rng = np.random.default_rng(7)
+    N, k, E, D, F = 6, 3, 40, 32, 64
+    idx = np.array([[5, 39, 0], [0, 5, 39], [12, 0, 7], [39, 12, 5], [7, 5, 0], [0, 12, 39]])
+    x = rng.normal(size=(N, D))
+    wg, wu, wd = _weights(rng, E, D, F)
+    act = functools.partial(glu_parts_output, kind="situ", beta_gate=BETAS[0], beta_up=BETAS[1])
+    want = _loop64(np.repeat(x, k, axis=0), idx.reshape(-1), wg, wu, wd, "situ").reshape(N, k, D)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = glu(f32(x), jnp.asarray(idx), f32(wg), f32(wu), f32(wd), act=act, slots=True)
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_slot_grid_bounds():
+    """The slot grid is off by default and refused past SLOT_MAX_ROUTES padded routes, with the bound
+    in the message."""
+    assert check_slots(True, SLOT_MAX_ROUTES) and not check_slots(False, 4 * SLOT_MAX_ROUTES)
+    with pytest.raises(ValueError, match=f"at most {SLOT_MAX_ROUTES} routes"):
+        check_slots(True, 2 * SLOT_MAX_ROUTES)
+    act = functools.partial(glu_parts_output, kind="situ", beta_gate=BETAS[0], beta_up=BETAS[1])
+    w = jnp.zeros((96, 16, 16))
+    with pytest.raises(ValueError, match="at most"):
+        grouped_glu(jnp.zeros((40, 16)), jnp.zeros((40, 2), jnp.int32), w, w, w, act=act, slots=True)
 
 
 def test_routed_glu_rejects_bad_shapes():
