@@ -310,6 +310,20 @@ def test_an_arm_with_no_rule_of_its_own_meets_the_baseline_at_the_shared_rule(tm
     assert "Learning-rate rules differ" not in text
 
 
+def test_comparison_is_read_at_the_compute_both_arms_reach(tmp_path):
+    """An arm measured over a shorter compute range than the baseline is compared at its own largest C
+    (and the baseline's, when the baseline's is the shorter), never with its law read past its points."""
+    recs = F.load_points(_write_results(str(tmp_path / "res"), branches=False, lr_sweep=False))
+    largest = max(r["flops_6N"] for r in recs if r["arm"] == "k3")
+    short = [r for r in recs if r["arm"] == "k2" or r["flops_6N"] < largest]
+    for cut in (short, [r for r in recs if r["arm"] == "k3" or r["flops_6N"] < largest / 2]):
+        cmp = F.build_report(cut, n_boot=5, sigma=1e-3, chinchilla_starts=1)["conventions"]["6N"]["comparisons"]["k3"]
+        reach = min(max(r["flops_6N"] for r in cut if r["arm"] == a and r["is_final"]) for a in ("k2", "k3"))
+        assert cmp["power_law"]["at_C_max"]["C"] == pytest.approx(reach)
+        assert cmp["power_law"]["loso"]["C"] == pytest.approx(reach)
+    assert F.common_reach([1.0, 5.0], [2.0, 3.0]) == 3.0
+
+
 def test_load_points_dedupes_keeping_last(tmp_path):
     d = _write_results(str(tmp_path / "res"))
     recs = F.load_points(d)
