@@ -3,9 +3,10 @@ rows for jnp and every variant, the kernels' outputs checked against jnp, the JS
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import bench_attn_res, bench_moe_decode, bench_short_conv
+from pallas_kernels import bench_attn_res, bench_launch, bench_moe_decode, bench_short_conv
 
 
 def test_short_conv_bench_rows_and_json(tmp_path):
@@ -24,12 +25,13 @@ def test_short_conv_bench_rows_and_json(tmp_path):
 def test_moe_decode_bench_rows_and_json(tmp_path):
     out = tmp_path / "moe.json"
     rows = bench_moe_decode.main(["--shape=3x2x5x16x32",
-                                  "--variants=16:16:4:1,8:32:2:2:d,16:32:4:2:g,16:32:4:2:g16,16:32:4:2:f16",
-                                  "--iters=1", f"--json={out}"])
+                                  "--variants=16:16:4:1,8:32:2:2:d,16:32:4:2:g,16:32:4:2:g16,16:32:4:2:f16,"
+                                  "16:32:4:2:g16s,16:32:4:2:fs", "--iters=1", f"--json={out}"])
     assert [(r["impl"], r["variant"]) for r in rows] == [("gather", ""), ("pallas", "16:16:4:1"),
                                                         ("pallas", "8:32:2:2:d"), ("grouped", "16:32:4:2:g"),
                                                         ("grouped", "16:32:4:2:g16"),
-                                                        ("fused", "16:32:4:2:f16")]
+                                                        ("fused", "16:32:4:2:f16"), ("grouped", "16:32:4:2:g16s"),
+                                                        ("fused", "16:32:4:2:fs")]
     assert all(r["max_rel_diff"] < 2e-2 and r["ms"] > 0 for r in rows)
     assert 2 <= rows[0]["distinct_experts"] <= 5 and rows[0]["bytes"] >= 2 * 3 * 16 * 32 * 2
     saved = json.loads(out.read_text())
@@ -46,6 +48,27 @@ def test_moe_decode_bench_rows_and_json(tmp_path):
         bench_moe_decode.main(["--shape=3x2x5x16x32", "--variants=16:16:4:1:x"])
     with pytest.raises(SystemExit, match="block_in:block_out"):
         bench_moe_decode.main(["--shape=3x2x5x16x32", "--variants=16:16:4:1:gx"])
+
+
+def test_launch_bench_chains_and_json(tmp_path):
+    """Each form's chain adds steps x kernels (the bench checks it before timing); rows, floor and JSON."""
+    out = tmp_path / "launch.json"
+    rows = bench_launch.main(["--shape=8x32", "--steps=2", "--kernels=3", "--iters=1", "--step_kernels=100",
+                              f"--json={out}"])
+    assert [r["form"] for r in rows] == list(bench_launch.FORMS)
+    for r in rows:
+        assert r["us_per_kernel"] > 0 and r["bytes_per_kernel"] == 2 * 8 * 32 * 2
+        assert r["step_floor_ms"] == pytest.approx(r["us_per_kernel"] * 100 / 1e3)
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("python -m pallas_kernels.bench_launch --shape=8x32") and len(saved["rows"]) == 2
+    x = jnp.full((8, 16), 3.0, jnp.bfloat16)
+    assert float(bench_launch.chain("pallas", 2, 2)(x)[0, 0]) == 7.0
+    with pytest.raises(ValueError, match="unknown form"):
+        bench_launch.chain("cuda_graph", 1, 1)
+    with pytest.raises(SystemExit, match="ROWSxD"):
+        bench_launch.main(["--shape=8"])
+    with pytest.raises(SystemExit, match="positive"):
+        bench_launch.main(["--kernels=0"])
 
 
 def test_attn_res_bench_rows_and_bad_shape(capsys):
