@@ -521,7 +521,7 @@ def test_fuse_inputs_refuses_weights_of_another_input_width():
     assert mixer.w_q is not None  # nothing was replaced
 
 
-@pytest.mark.parametrize("impl", ["pallas", "pallas_merged"])
+@pytest.mark.parametrize("impl", ["pallas", pytest.param("pallas_merged", marks=pytest.mark.slow)])
 def test_pallas_latent_decode_attention_equals_the_xla_form(impl):
     """`model.mla.decode_impl='pallas'` (the split-S kernel over the cached latents, interpreted on a
     CPU, compiled on a GPU; 'pallas_merged' with the single-token steps' merge kernel) gives the XLA

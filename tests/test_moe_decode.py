@@ -188,7 +188,8 @@ def test_grouped_fused_backend_takes_the_two_kernel_form_past_its_token_bound(mo
     assert used == ["grouped_glu_fused", "grouped_glu"]
 
 
-@pytest.mark.parametrize("impl", ["gather", "pallas", "grouped", "grouped_fused"])
+@pytest.mark.parametrize("impl", [pytest.param("gather", marks=pytest.mark.slow),
+                                  pytest.param("pallas", marks=pytest.mark.slow), "grouped", "grouped_fused"])
 def test_moe_decode_flag_uses_the_decode_backend_only_below_e_routes(impl):
     """A decoding call takes the decode backend with fewer routes than experts; the grouped ones also with more,
     up to DROPLESS_DECODE_TOKENS tokens, dropless (equal to the dense reference)."""
